@@ -1,0 +1,183 @@
+"""The only module that talks to torch.distributed.
+
+Everything else asks here for rank, world size, device and collectives. Running without torchrun
+is simply the world-size-1 case: no process group is created and every collective is the identity.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_INFO: DistInfo | None = None
+
+
+def npu_available() -> bool:
+    """True when the Ascend ``torch_npu`` plugin is importable and sees a device."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def pick_device_type(requested: str | None = None) -> str:
+    """Device type to run on: ``requested`` if given, else cuda -> npu -> cpu."""
+    if requested:
+        kind = requested.split(":")[0]
+        if kind not in _BACKENDS:
+            raise ValueError(f"--device {requested!r} is not one of cuda, npu, cpu")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        if kind == "npu" and not npu_available():
+            raise ValueError("--device npu was asked for but torch_npu is not installed or sees no NPU")
+        return kind
+    if torch.cuda.is_available():
+        return "cuda"
+    if npu_available():
+        return "npu"
+    return "cpu"
+
+
+def init_distributed(device: str | None = None, timeout_minutes: int = 30) -> DistInfo:
+    """Initialise from torchrun's environment (world size 1 without it) and pick the device.
+
+    Idempotent: a second call returns the first call's answer.
+    """
+    global _INFO
+    if _INFO is not None:
+        return _INFO
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    kind = pick_device_type(device)
+    backend = _BACKENDS[kind]
+    if kind == "cpu":
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device(kind, local_rank)
+        getattr(torch, kind).set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=timeout_minutes)}
+        if kind != "cpu":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    _INFO = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+    return _INFO
+
+
+def info() -> DistInfo:
+    """The current job's DistInfo (initialises a world-size-1 CPU/GPU job if nobody did yet)."""
+    return _INFO if _INFO is not None else init_distributed()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank along dim 0 (ranks in order; sizes may differ)."""
+    if not is_distributed():
+        return tensor
+    world = get_world_size()
+    sizes = all_gather_object(int(tensor.shape[0]))
+    comm_device = info().device
+    local = tensor.detach().to(comm_device).contiguous()
+    max_len = max(sizes)
+    if local.shape[0] < max_len:
+        pad = local.new_zeros((max_len - local.shape[0], *local.shape[1:]))
+        local = torch.cat([local, pad])
+    out = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(out, local)
+    return torch.cat([o[:n] for o, n in zip(out, sizes)]).to(tensor.device)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` as a list indexed by rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over ranks (returns a new tensor; the input is untouched)."""
+    if not is_distributed():
+        return tensor.clone()
+    out = tensor.detach().clone().to(info().device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(tensor.device)
+
+
+def all_reduce_max(value: float) -> float:
+    """Maximum of a Python number over ranks."""
+    return max(all_gather_object(value))
+
+
+def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
+    """A DeviceMesh over all ranks (1-D by default, or ``shape``/``names`` for hybrid sharding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev_type = info().device.type
+    if shape is None:
+        shape, names = (get_world_size(),), ("dp",)
+    return init_device_mesh(dev_type, shape, mesh_dim_names=names)
+
+
+def cleanup() -> None:
+    """Tear the process group down (safe to call when none exists)."""
+    global _INFO
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _INFO = None

@@ -1,0 +1,116 @@
+"""Seeds, deterministic mode and the noise source.
+
+Every random tensor the trainers use is drawn from a generator seeded by
+``(seed, step, prompt id, sample index, purpose)`` (DESIGN principle 4), on the CPU by default, so
+CUDA, NPU and CPU runs see identical noise and results do not depend on world size or batch layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) for anything not drawn from a NoiseSource."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool = True) -> None:
+    """Deterministic algorithms everywhere (slower on GPU); sets the CUDA/NPU env knobs too."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # Ascend collectives
+    os.environ.setdefault("ASCEND_LAUNCH_BLOCKING", "0")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.backends.cudnn.is_available():
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if hasattr(torch, "npu"):
+        try:  # torch_npu exposes the same switch under torch.npu
+            torch.npu.set_deterministic(True)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - optional backend knob
+            pass
+
+
+def derive_seed(seed: int, *keys: int | str) -> int:
+    """A 63-bit seed that is a pure function of ``seed`` and ``keys`` (stable across runs/machines)."""
+    text = "/".join([str(int(seed))] + [str(k) for k in keys])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def generator(seed: int, *keys: int | str, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator on ``device`` seeded by ``derive_seed(seed, *keys)``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(derive_seed(seed, *keys))
+    return g
+
+
+class NoiseSource:
+    """Draws random tensors keyed by what they are for.
+
+    ``randn(shape, step=, prompt_id=, sample_index=, purpose=)`` always returns the same tensor for
+    the same key, whatever rank or batch asks for it. Noise is generated on ``device`` (CPU by
+    default, so all device types agree) and moved to ``out_device``.
+    """
+
+    def __init__(self, seed: int, device: str | torch.device = "cpu"):
+        self.seed = int(seed)
+        self.device = torch.device(device)
+
+    def _gen(self, step: int, prompt_id: int, sample_index: int, purpose: str) -> torch.Generator:
+        return generator(self.seed, int(step), int(prompt_id), int(sample_index), purpose, device=self.device)
+
+    def randn(self, shape: Sequence[int], *, step: int, prompt_id: int, sample_index: int, purpose: str,
+              out_device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Standard normal tensor of ``shape`` for one (step, prompt, sample, purpose)."""
+        g = self._gen(step, prompt_id, sample_index, purpose)
+        x = torch.randn(tuple(shape), generator=g, device=self.device, dtype=torch.float32)
+        return x.to(device=out_device or self.device, dtype=dtype)
+
+    def batch_randn(self, shape: Sequence[int], *, step: int, prompt_ids: Sequence[int],
+                    sample_indices: Sequence[int], purpose: str, out_device: torch.device | str | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Stack of per-sample ``randn`` draws -> (B, *shape); independent of batch composition."""
+        draws = [self.randn(shape, step=step, prompt_id=p, sample_index=s, purpose=purpose)
+                 for p, s in zip(prompt_ids, sample_indices)]
+        return torch.stack(draws).to(device=out_device or self.device, dtype=dtype)
+
+    def rand(self, shape: Sequence[int], *, step: int, prompt_id: int, sample_index: int, purpose: str) -> torch.Tensor:
+        """Uniform [0, 1) tensor on the noise device for one key."""
+        g = self._gen(step, prompt_id, sample_index, purpose)
+        return torch.rand(tuple(shape), generator=g, device=self.device)
+
+    def randint(self, low: int, high: int, *, step: int, prompt_id: int, sample_index: int, purpose: str) -> int:
+        """One integer in [low, high) for one key."""
+        g = self._gen(step, prompt_id, sample_index, purpose)
+        return int(torch.randint(low, high, (1,), generator=g, device=self.device).item())
+
+    def randperm(self, n: int, *, step: int, prompt_id: int, sample_index: int, purpose: str) -> torch.Tensor:
+        """A permutation of range(n) for one key."""
+        g = self._gen(step, prompt_id, sample_index, purpose)
+        return torch.randperm(n, generator=g, device=self.device)
+
+
+def rng_state() -> dict:
+    """Global RNG states (Python, NumPy, torch CPU and accelerator) for checkpoints."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,27 @@
+"""Packaging for the flow-matching RL suite (import name: ``fastvideo``)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="flowrl-fastvideo",
+    version="0.1.0",
+    description="GRPO, Diffusion-DPO and DiffusionNFT post-training for FLUX flow-matching models",
+    packages=find_packages(include=["fastvideo", "fastvideo.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6,<=2.14.1",
+        "torchvision",
+        "diffusers>=0.32",
+        "transformers>=4.46",
+        "peft>=0.13",
+        "safetensors",
+        "open_clip_torch>=2.24",
+        "numpy",
+        "pillow",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7.4", "pytest-timeout"],
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
+    },
+)

@@ -1,0 +1,30 @@
+"""Test helpers: run a script under torchrun with the current interpreter on a free port."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 600, env: dict | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc args...` on CPU/gloo; raises with the output if it fails."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+    proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n"
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
