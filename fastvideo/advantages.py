@@ -1,0 +1,66 @@
+"""Group-normalised advantages for GRPO (REFERENCE §3), on the already-gathered global batch.
+
+The caller all-gathers rewards and prompt ids across ranks first (a prompt group may span ranks),
+calls ``group_advantages`` on the full batch (every rank gets the same result), and keeps its slice.
+Metrics are detached 0-d float32 tensors on the rewards' device (identical on every rank).
+"""
+from __future__ import annotations
+
+import torch
+
+DANCE_GRPO_EPS = 1e-8  # DanceGRPO: (r - mean) / (unbiased group std + 1e-8)
+FLOW_GRPO_EPS = 1e-4  # Flow-GRPO: (r - mean) / (population std of the whole batch + 1e-4)
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_std: bool = True,
+                     adv_clip_max: float = 5.0, eps: float | None = None,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``A = clamp((r - group mean) / (std + eps), ±adv_clip_max)`` per sample, and summary metrics.
+
+    ``global_std=True`` (Flow-GRPO): std = population std of the whole batch, eps default 1e-4.
+    ``global_std=False`` (DanceGRPO): std = unbiased std of the sample's group, eps default 1e-8
+    (a group of one sample has std 0 and advantage 0). ``group_ids`` are any integer ids (prompt ids);
+    the result does not depend on the order of the samples. Computed in float64; advantages are
+    returned in the rewards' float dtype (float32 for integer rewards).
+    Metrics: reward_mean, reward_std (population), adv_abs_mean, adv_clip_frac (fraction clamped),
+    num_groups, zero_std_group_frac (groups whose rewards are all equal: they carry no signal).
+    """
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    if rewards.numel() == 0:
+        raise ValueError("group_advantages got an empty batch")
+    if adv_clip_max <= 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+    if eps is None:
+        eps = FLOW_GRPO_EPS if global_std else DANCE_GRPO_EPS
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = rewards.detach().to(torch.float64)
+    _, inverse = torch.unique(group_ids.to(r.device), return_inverse=True)
+    num_groups = int(inverse.max()) + 1
+    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    sums = torch.zeros_like(counts).index_add_(0, inverse, r)
+    group_mean = sums / counts
+    centered = r - group_mean[inverse]
+    if global_std:
+        std = (r - r.mean()).pow(2).mean().sqrt()
+        denom = std + eps
+    else:
+        sq = torch.zeros_like(counts).index_add_(0, inverse, centered.pow(2))
+        group_std = (sq / (counts - 1).clamp(min=1)).sqrt()
+        denom = group_std[inverse] + eps
+    adv = centered / denom
+    clipped = adv.clamp(-adv_clip_max, adv_clip_max)
+
+    gmax = torch.full_like(counts, -torch.inf).scatter_reduce_(0, inverse, r, "amax")
+    gmin = torch.full_like(counts, torch.inf).scatter_reduce_(0, inverse, r, "amin")
+    f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=r.device).detach()  # noqa: E731
+    metrics = {
+        "reward_mean": f32(r.mean()),
+        "reward_std": f32((r - r.mean()).pow(2).mean().sqrt()),
+        "adv_abs_mean": f32(clipped.abs().mean()),
+        "adv_clip_frac": f32((adv.abs() > adv_clip_max).double().mean()),
+        "num_groups": f32(num_groups),
+        "zero_std_group_frac": f32((gmax == gmin).double().mean()),
+    }
+    return clipped.to(out_dtype), metrics

@@ -1,0 +1,285 @@
+"""Batched trajectory sampling with per-step log-probs, the SDE window, and training replay.
+
+``rollout`` runs the sampler for a rank's samples in micro-batches of ``cfg.batch_size`` (one transformer
+call per micro-batch and step, never per sample) and records every latent. Randomness follows DESIGN
+principle 4, keyed by ``(step, prompt_id, sample_index, purpose)`` on the ``NoiseSource``:
+
+- ``"init"``: initial noise (L, C); with ``init_same_noise`` every sample of a group uses sample_index 0.
+- ``"sde"``: the SDE noise of all steps at once, (S, L, C), per sample.
+- ``"window"``: the SDE window start, keyed by ``(step, prompt_id, 0)`` so a prompt group shares it.
+- ``"timesteps"``: the per-sample permutation of ``select_trained_timesteps`` (DanceGRPO mode).
+
+So a sample's trajectory does not depend on the batch it was sampled in, the micro-batch size or the
+world size (up to the kernels' batch-size dependence). The SDE maths runs in float32 even when the
+transformer runs under ``torch.autocast``. ``eta == 0`` means a deterministic (ODE) rollout.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fastvideo import flux
+from fastvideo.schedulers import SDE_TYPES, get_sigmas, ode_step, sde_noise_scale, sde_step_with_logprob
+from fastvideo.seeding import NoiseSource
+
+
+@dataclass
+class RolloutConfig:
+    """How to sample: image size, steps, SDE type/level, sigma shift, guidance, window, micro-batch size."""
+
+    height: int
+    width: int
+    sampling_steps: int = 16
+    sde_type: str = "flow_sde"
+    eta: float = 0.9  # 0 = deterministic ODE sampling (no log-probs)
+    shift: float | None = None  # None = FLUX dynamic shift (as FluxPipeline); a float = static shift
+    guidance: float | None = 3.5  # FLUX.1-dev distilled guidance; ignored by models without it
+    sde_window_size: int = 0  # 0 = every step stochastic
+    sde_window_range: tuple[int, int] | None = None  # window start ~ U{lo, hi - size}; default (0, S)
+    init_same_noise: bool = False
+    decode_x0: bool = False  # decode the last predicted x0_hat (DanceGRPO) instead of the final latent
+    batch_size: int = 8  # samples per transformer call
+
+    def __post_init__(self) -> None:
+        S = self.sampling_steps
+        if S < 1:
+            raise ValueError(f"sampling_steps must be >= 1, got {S}")
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
+        if self.eta < 0:
+            raise ValueError(f"eta must be >= 0 (0 = ODE sampling), got {self.eta}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
+        if not 0 <= self.sde_window_size <= S:
+            raise ValueError(f"sde_window_size must be in [0, sampling_steps={S}], got {self.sde_window_size}")
+        if self.sde_window_range is None:
+            self.sde_window_range = (0, S)
+        lo, hi = (int(v) for v in self.sde_window_range)
+        self.sde_window_range = (lo, hi)
+        if self.sde_window_size and not (0 <= lo and hi <= S and hi - lo >= self.sde_window_size):
+            raise ValueError(f"sde_window_range ({lo}, {hi}) must satisfy 0 <= lo, hi <= sampling_steps ({S}) "
+                             f"and hi - lo >= sde_window_size ({self.sde_window_size})")
+
+    @property
+    def deterministic(self) -> bool:
+        """True when no step is stochastic (eta == 0)."""
+        return self.eta == 0
+
+
+@dataclass
+class Trajectory:
+    """One rollout of B samples over S steps (tensors on the rollout device, no grad).
+
+    ``latents`` (B, S+1, L, C) float32: latents[:, 0] is the initial noise, latents[:, i+1] the result of
+    step i. ``log_probs`` (B, S) float32: log p(latents[:, i+1] | latents[:, i]), 0 where the step was an
+    ODE step. ``stochastic`` (B, S) bool. ``sigmas`` (S+1,) float32. ``images`` (B, 3, H, W) in [0, 1]
+    decoded from ``clean_latents`` (B, L, C): the final latent, or the last x0_hat with ``decode_x0``.
+    ``timings``: seconds spent sampling ("sample") and decoding ("decode").
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    stochastic: torch.Tensor
+    images: torch.Tensor
+    clean_latents: torch.Tensor
+    prompt_ids: torch.Tensor
+    sample_indices: torch.Tensor
+    step: int
+    sde_type: str
+    eta: float
+    sde_window_size: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def sigma_max(self) -> float:
+        """The sigma used in place of 1 in flow_sde's noise-scale denominator: ``sigmas[1]``."""
+        return float(self.sigmas[1])
+
+    def noise_scale(self, j: int | torch.Tensor) -> torch.Tensor:
+        """KL noise scale ``s`` (REFERENCE §4) of step ``j`` (int -> 0-d, (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
+        j = _step_index(j, self.sigmas.device)
+        return sde_noise_scale(self.sigmas[j], self.sigmas[j + 1], sde_type=self.sde_type, eta=self.eta,
+                               sigma_max=self.sigma_max)
+
+
+def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tensor:
+    return int(j) if not torch.is_tensor(j) or j.ndim == 0 else j.to(device=device, dtype=torch.long)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+def window_starts(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> list[int]:
+    """SDE window start per sample, drawn once per prompt group (sample_index 0, purpose "window")."""
+    lo, hi = cfg.sde_window_range
+    return [noise.randint(lo, hi - cfg.sde_window_size + 1, step=step, prompt_id=p, sample_index=0,
+                          purpose="window") for p in prompt_ids]
+
+
+def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> torch.Tensor:
+    """(B, S) bool: which steps are SDE steps (all, a per-group window, or none when eta == 0)."""
+    B, S = len(prompt_ids), cfg.sampling_steps
+    if cfg.deterministic:
+        return torch.zeros(B, S, dtype=torch.bool)
+    if cfg.sde_window_size == 0:
+        return torch.ones(B, S, dtype=torch.bool)
+    starts = torch.tensor(window_starts(cfg, noise, step, prompt_ids)).view(B, 1)
+    steps = torch.arange(S).view(1, S)
+    return (steps >= starts) & (steps < starts + cfg.sde_window_size)
+
+
+@torch.no_grad()
+def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
+            cfg: RolloutConfig, noise: NoiseSource, geometry: flux.LatentGeometry, *,
+            device: torch.device | str, autocast_dtype: torch.dtype | None = None) -> Trajectory:
+    """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then decode."""
+    device = torch.device(device)
+    ids = batch["prompt_ids"]
+    prompt_ids = [int(p) for p in (ids.tolist() if torch.is_tensor(ids) else ids)]
+    sample_indices = [int(s) for s in sample_indices]
+    B, S = len(prompt_ids), cfg.sampling_steps
+    if len(sample_indices) != B:
+        raise ValueError(f"got {len(sample_indices)} sample_indices for a batch of {B} prompts; pass one per sample")
+    if (geometry.height, geometry.width) != (cfg.height, cfg.width):
+        raise ValueError(f"geometry is {geometry.height}x{geometry.width} but cfg asks for {cfg.height}x{cfg.width}; "
+                         "build both from the same --h/--w")
+    L, C = geometry.seq_len, geometry.packed_channels
+    sigmas = get_sigmas(S, shift=cfg.shift, image_seq_len=L)
+    sigma_list = sigmas.tolist()
+    sigma_max = sigma_list[1]
+
+    init_indices = [0] * B if cfg.init_same_noise else sample_indices
+    x_init = noise.batch_randn((L, C), step=step, prompt_ids=prompt_ids, sample_indices=init_indices,
+                               purpose="init")  # (B, L, C) on the noise device
+    stochastic = stochastic_mask(cfg, noise, step, prompt_ids)  # (B, S) CPU
+    sde_noise = None
+    if bool(stochastic.any()):
+        sde_noise = noise.batch_randn((S, L, C), step=step, prompt_ids=prompt_ids, sample_indices=sample_indices,
+                                      purpose="sde")  # (B, S, L, C)
+
+    embeds_all, pooled_all = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
+    img_ids = flux.image_ids(geometry, device, embeds_all.dtype)
+    txt_ids = flux.text_ids(embeds_all.shape[1], device, embeds_all.dtype)
+    latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device)
+    log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
+    clean = torch.empty(B, L, C, dtype=torch.float32, device=device)
+    stochastic_dev = stochastic.to(device)
+    images = []
+    t_sample = t_decode = 0.0
+    for start in range(0, B, cfg.batch_size):
+        mb = slice(start, min(start + cfg.batch_size, B))
+        t0 = time.perf_counter()
+        x = x_init[mb].to(device=device, dtype=torch.float32)  # (b, L, C)
+        latents[mb, 0] = x
+        embeds = embeds_all[mb].to(device)
+        pooled = pooled_all[mb].to(device)
+        for i in range(S):
+            with _autocast(device, autocast_dtype):
+                v = flux.predict_velocity(transformer, x, sigma_list[i], embeds, pooled, img_ids, txt_ids,
+                                          guidance=cfg.guidance)
+            v = v.float()
+            x_next = ode_step(v, x, sigma_list[i], sigma_list[i + 1])
+            if sde_noise is not None and bool(stochastic[mb, i].any()):
+                x_sde, lp, _, _ = sde_step_with_logprob(
+                    v, x, sigma_list[i], sigma_list[i + 1], sde_type=cfg.sde_type, eta=cfg.eta,
+                    noise=sde_noise[mb, i].to(device), sigma_max=sigma_max)
+                st = stochastic_dev[mb, i]
+                x_next = torch.where(st.view(-1, 1, 1), x_sde, x_next)
+                log_probs[mb, i] = torch.where(st, lp, torch.zeros_like(lp))
+            if i == S - 1:
+                clean[mb] = x - sigma_list[i] * v if cfg.decode_x0 else x_next
+            latents[mb, i + 1] = x_next
+            x = x_next
+        _synchronize(device)
+        t1 = time.perf_counter()
+        images.append(flux.decode(vae, clean[mb], geometry).float())
+        _synchronize(device)
+        t_sample += t1 - t0
+        t_decode += time.perf_counter() - t1
+    return Trajectory(
+        latents=latents, log_probs=log_probs, sigmas=sigmas.to(device), stochastic=stochastic_dev,
+        images=torch.cat(images), clean_latents=clean,
+        prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), sample_indices=torch.tensor(sample_indices),
+        step=int(step), sde_type=cfg.sde_type, eta=float(cfg.eta), sde_window_size=cfg.sde_window_size,
+        timings={"sample": t_sample, "decode": t_decode})
+
+
+def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_indices: list[int], step: int,
+                             noise: NoiseSource, *, timestep_fraction: float = 1.0) -> torch.Tensor:
+    """(B, K) LongTensor (CPU) of the steps to train per sample; column k is the k-th replay for every sample.
+
+    Window mode (``sde_window_size > 0``): the window's W steps in increasing order (K = W,
+    ``timestep_fraction`` is ignored). Full-SDE mode: DanceGRPO's random subset: the first
+    ``K = int((S-1) * timestep_fraction)`` entries of a per-sample permutation of steps 0..S-2
+    (``NoiseSource`` purpose "timesteps" keyed by ``(step, prompt_id, sample_index)``); the last
+    step is never trained. Different samples of a column may be at different steps:
+    ``replay_log_prob`` takes a per-sample ``j``.
+    """
+    B, S = traj.log_probs.shape
+    if len(prompt_ids) != B or len(sample_indices) != B:
+        raise ValueError(f"need one prompt id and sample index per trajectory sample ({B}), got "
+                         f"{len(prompt_ids)} and {len(sample_indices)}")
+    stochastic = traj.stochastic.cpu()
+    if not bool(stochastic.any()):
+        raise ValueError("the rollout has no stochastic step (eta=0): nothing to train with log-prob ratios; "
+                         "set eta > 0")
+    if traj.sde_window_size > 0:
+        steps = torch.arange(S).expand(B, S)
+        return steps[stochastic].view(B, traj.sde_window_size)
+    if not 0 < timestep_fraction <= 1:
+        raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    K = int((S - 1) * timestep_fraction)
+    if K < 1:
+        raise ValueError(f"timestep_fraction {timestep_fraction} x (sampling_steps - 1 = {S - 1}) trains no "
+                         "timestep; raise one of them")
+    perms = [noise.randperm(S - 1, step=step, prompt_id=p, sample_index=s, purpose="timesteps")[:K]
+             for p, s in zip(prompt_ids, sample_indices)]
+    return torch.stack(perms).to(torch.long)
+
+
+def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.Tensor, j: int | torch.Tensor,
+                    batch: dict, cfg: RolloutConfig, geometry: flux.LatentGeometry, *,
+                    autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute step ``j`` (int, or (b,) per sample) for samples ``idx`` with the current policy, with grad.
+
+    Evaluates the recorded ``latents[idx, j+1]`` under the policy's Gaussian step from ``latents[idx, j]``;
+    returns ``(log_prob (b,), prev_sample_mean (b, L, C), std (b,))`` in float32. The SDE type and eta
+    are the ones recorded in ``traj``; ``cfg`` supplies the guidance. ``batch`` is the dict the rollout
+    used (same sample order). ``traj.noise_scale(j)`` gives the KL noise scale for ``losses.kl_loss``.
+    """
+    dev = traj.latents.device
+    idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
+    jj = _step_index(j, dev)
+    if not bool(traj.stochastic[idx, jj].all()):
+        raise ValueError("replay_log_prob asked for a step that was not stochastic in the rollout (an ODE step "
+                         "has no log-prob); pick steps with select_trained_timesteps")
+    x = traj.latents[idx, jj]  # (b, L, C)
+    x_next = traj.latents[idx, jj + 1]
+    sigma, sigma_next = traj.sigmas[jj], traj.sigmas[jj + 1]  # 0-d or (b,)
+    idx_b = idx.to(batch["prompt_embeds"].device)
+    embeds = batch["prompt_embeds"][idx_b].to(dev)
+    pooled = batch["pooled_prompt_embeds"][idx_b].to(dev)
+    img_ids = flux.image_ids(geometry, dev, embeds.dtype)
+    txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
+    with _autocast(dev, autocast_dtype):
+        v = flux.predict_velocity(transformer, x, sigma if torch.is_tensor(jj) else float(sigma), embeds, pooled,
+                                  img_ids, txt_ids, guidance=cfg.guidance)
+    _, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=traj.sde_type, eta=traj.eta,
+                                                   prev_sample=x_next, sigma_max=traj.sigma_max)
+    return log_prob, mean, std
