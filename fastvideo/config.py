@@ -1,0 +1,281 @@
+"""Command-line options as dataclass groups -> argparse, with validation and config.json.
+
+Each trainer picks the groups it needs; flag names follow DanceGRPO where the concept exists
+(DESIGN principle 8). Every flag has a help text with its unit. ``validate_*`` functions raise
+``ValueError`` naming the flag and the fix, and run before any model is loaded.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+SDE_TYPES = ("flow_sde", "dance_sde", "cps")
+DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
+
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field that carries its argparse help (and choices/nargs/action) in metadata."""
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ModelOptions:
+    pretrained_model_name_or_path: str | None = opt(
+        None, "local diffusers FLUX folder (model_index.json, transformer/, vae/, ...); required")
+    data_json_path: str | None = opt(
+        None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")
+    output_dir: str = opt("outputs/grpo", "run folder: config.json, metrics.jsonl, samples/, checkpoints/, final/")
+    device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
+    seed: int = opt(42, "run seed; all noise derives from (seed, step, prompt id, sample index, purpose)")
+    deterministic: bool = opt(False, "use deterministic kernels (slower on GPU)")
+    noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
+
+
+@dataclass
+class SamplingOptions:
+    h: int = opt(720, "image height in pixels")
+    w: int = opt(720, "image width in pixels")
+    sampling_steps: int = opt(16, "denoising steps per rollout (S)")
+    sde_type: str = opt("flow_sde", "stochastic sampler: flow_sde (Flow-GRPO) | dance_sde (DanceGRPO) | cps",
+                        choices=SDE_TYPES)
+    eta: float | None = opt(None, "SDE noise level (default by --sde_type: flow_sde 0.9, dance_sde 0.3, cps 0.8)")
+    shift: float | None = opt(None, "static sigma shift (DanceGRPO: 3); unset = FLUX dynamic shift like FluxPipeline")
+    guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
+    sde_window_size: int = opt(0, "noise only on this many consecutive steps (0 = every step is stochastic)")
+    sde_window_range: tuple[int, int] | None = opt(
+        None, "two ints LO HI: window start drawn from [LO, HI - size] (default: 0 S)", nargs=2, type=int)
+    init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
+    decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
+    rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
+
+
+@dataclass
+class GRPOOptions:
+    num_generations: int = opt(12, "samples per prompt (group size G)")
+    prompts_per_step: int = opt(2, "prompts per training step over all ranks (P); samples per step = P*G")
+    timestep_fraction: float = opt(0.6, "fraction of the S-1 non-final steps trained per sample (DanceGRPO)")
+    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
+    adv_clip_max: float = opt(5.0, "advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    global_std: bool = opt(False, "normalise advantages by the whole batch's reward std (Flow-GRPO) "
+                                  "instead of each group's (DanceGRPO)")
+    kl_beta: float = opt(0.0, "weight of the KL to the reference policy (0 = off; Flow-GRPO uses 0.04)")
+
+
+@dataclass
+class OptimOptions:
+    learning_rate: float = opt(1e-5, "AdamW peak learning rate")
+    weight_decay: float = opt(1e-4, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (<= 0 disables clipping)")
+    lr_scheduler: str = opt("constant_with_warmup", "learning-rate schedule",
+                            choices=("constant_with_warmup", "cosine", "constant"))
+    lr_warmup_steps: int = opt(0, "warm-up length in optimizer steps")
+    max_train_steps: int = opt(300, "training steps (one rollout + its updates each)")
+    train_batch_size: int = opt(4, "samples per replay micro-batch (per rank)")
+    gradient_accumulation_steps: int = opt(
+        0, "micro-batches per optimizer step (0 = all of a rank's samples -> one optimizer step per rollout)")
+    use_ema: bool = opt(False, "keep an EMA of the trained weights (sharded); exported instead of the raw weights")
+    ema_decay: float = opt(0.995, "EMA decay per optimizer step")
+
+
+@dataclass
+class LoRAOptions:
+    lora_rank: int = opt(0, "LoRA rank (0 = full fine-tune of the transformer)")
+    lora_alpha: float | None = opt(None, "LoRA alpha (default: equal to the rank)")
+    lora_target_modules: list[str] | None = opt(
+        None, "module names to adapt (default: FLUX attention + feed-forward projections)", nargs="+")
+
+
+@dataclass
+class ParallelOptions:
+    fsdp_version: int = opt(2, "FSDP implementation: 2 (fully_shard, default) or 1", choices=(2, 1), type=int)
+    fsdp_sharding_strategy: str = opt("full", "how FSDP shards the transformer",
+                                      choices=("full", "hybrid_full", "shard_grad_op", "no_shard"))
+    mixed_precision: str = opt("auto", "compute dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
+                               choices=("auto", "bf16", "fp32"))
+    use_cpu_offload: bool = opt(False, "offload FSDP parameters and optimizer state to the CPU")
+    gradient_checkpointing: bool = opt(False, "recompute transformer blocks in backward to save memory")
+
+
+@dataclass
+class RewardOptions:
+    reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
+                                   "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
+                                   "jpeg_incompressibility)")
+    hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
+    hps_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for the HPS checkpoint")
+    pickscore_model: str | None = opt(None, "local PickScore CLIPModel folder for the pickscore reward")
+    pickscore_processor: str | None = opt(None, "local CLIP-H processor folder for the pickscore reward")
+    clip_checkpoint: str | None = opt(None, "open_clip checkpoint for the clipscore reward")
+    clip_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for clipscore")
+    aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
+    aesthetic_clip_checkpoint: str | None = opt(None, "open_clip ViT-L/14 checkpoint for the aesthetic reward")
+
+
+@dataclass
+class LoggingOptions:
+    sample_every: int = opt(50, "save a sample grid every N steps (0 = never)")
+    log_to: tuple[str, ...] = opt(("jsonl",), "metric sinks: jsonl (always) tensorboard wandb", nargs="+",
+                            choices=("jsonl", "tensorboard", "wandb"))
+    wandb_project: str = opt("flux-grpo", "W&B project when --log_to wandb")
+    progress_bar: bool = opt(True, "show a tqdm progress bar on rank 0 (--no-progress_bar to hide)")
+
+
+@dataclass
+class CheckpointOptions:
+    checkpointing_steps: int = opt(100, "save the full training state every N steps (and at the end)")
+    checkpoints_total_limit: int | None = opt(None, "keep only the newest N checkpoints")
+    resume_from: str | None = opt(None, "'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint folder")
+
+
+GRPO_GROUPS = (ModelOptions, SamplingOptions, GRPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
+               RewardOptions, LoggingOptions, CheckpointOptions)
+
+
+def _add_group(parser: argparse.ArgumentParser, cls: type) -> None:
+    group = parser.add_argument_group(cls.__name__.replace("Options", "").lower())
+    for f in dataclasses.fields(cls):
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        flag = f"--{f.name}"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        if "type" not in meta and "nargs" not in meta:
+            meta["type"] = _scalar_type(f.type)
+        elif "nargs" in meta and "type" not in meta:
+            meta["type"] = str
+        group.add_argument(flag, default=default, help=f"{help_text} (default: {default})", **meta)
+
+
+def _scalar_type(annotation: Any):
+    text = str(annotation)
+    if "int" in text and "float" not in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def build_parser(groups: Sequence[type], description: str) -> argparse.ArgumentParser:
+    """An argparse parser with one argument group per dataclass in ``groups``."""
+    parser = argparse.ArgumentParser(description=description)
+    for cls in groups:
+        _add_group(parser, cls)
+    return parser
+
+
+def save_config(args: argparse.Namespace, path: str | Path) -> None:
+    """Write every flag to ``path`` as JSON (what the run actually used)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(vars(args), indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def validate_common(args: argparse.Namespace) -> None:
+    """Checks shared by all trainers: paths exist, numbers are in range."""
+    _need(args.pretrained_model_name_or_path is not None,
+          "--pretrained_model_name_or_path is required: a local diffusers FLUX folder "
+          "(or run scripts/finetune_flux_grpo.sh without MODEL_PATH for the tiny demo)")
+    model = Path(args.pretrained_model_name_or_path)
+    if not (model / "model_index.json").is_file():
+        raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at "
+                                "a local diffusers FLUX folder (e.g. a FLUX.1-dev snapshot)")
+    _need(args.data_json_path is not None,
+          "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
+    data = Path(args.data_json_path)
+    manifest = data / "manifest.json" if data.is_dir() else data
+    if not manifest.is_file():
+        raise FileNotFoundError(f"--data_json_path {data}: no manifest.json; run preprocess_embeddings.py "
+                                f"--model_path {model} --prompt_file PROMPTS --output_dir {data} first")
+    _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
+    _need(args.learning_rate >= 0, f"--learning_rate must be >= 0, got {args.learning_rate}")
+    _need(args.lr_warmup_steps >= 0, f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
+    _need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
+    _need(args.checkpointing_steps >= 1, f"--checkpointing_steps must be >= 1, got {args.checkpointing_steps}")
+    _need(args.checkpoints_total_limit is None or args.checkpoints_total_limit >= 1,
+          f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
+    _need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
+    _need(0.0 < args.ema_decay < 1.0, f"--ema_decay must be in (0, 1), got {args.ema_decay}")
+    _need(args.train_batch_size >= 1, f"--train_batch_size must be >= 1, got {args.train_batch_size}")
+    _need(args.gradient_accumulation_steps >= 0,
+          f"--gradient_accumulation_steps must be >= 0, got {args.gradient_accumulation_steps}")
+    if args.resume_from not in (None, "latest"):
+        path = Path(args.resume_from)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--resume_from {path}: no such checkpoint folder; use 'latest' or a path "
+                                    "like OUTPUT_DIR/checkpoints/step-N")
+
+
+def validate_sampling(args: argparse.Namespace) -> None:
+    """Sampler flags: steps, eta, window, sizes."""
+    _need(args.sampling_steps >= 2, f"--sampling_steps must be >= 2, got {args.sampling_steps}")
+    _need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")
+    if args.eta is None:
+        args.eta = DEFAULT_ETA[args.sde_type]
+    _need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
+    _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    _need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
+    S = args.sampling_steps
+    _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
+                                          f"got {args.sde_window_size}")
+    if args.sde_window_range is None:
+        args.sde_window_range = (0, S)
+    lo, hi = args.sde_window_range
+    if args.sde_window_size:
+        _need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,
+              f"--sde_window_range {lo} {hi} must satisfy 0 <= LO, HI <= --sampling_steps ({S}) and "
+              f"HI - LO >= --sde_window_size ({args.sde_window_size})")
+
+
+def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
+    """GRPO flags and the batch arithmetic; returns the derived counts printed before step 1."""
+    validate_common(args)
+    validate_sampling(args)
+    _need(args.num_generations >= 2, f"--num_generations must be >= 2 (a group needs two samples to compare), "
+                                     f"got {args.num_generations}")
+    _need(args.prompts_per_step >= 1, f"--prompts_per_step must be >= 1, got {args.prompts_per_step}")
+    _need(0.0 < args.timestep_fraction <= 1.0,
+          f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
+    _need(args.clip_range > 0, f"--clip_range must be > 0, got {args.clip_range}")
+    _need(args.adv_clip_max > 0, f"--adv_clip_max must be > 0, got {args.adv_clip_max}")
+    _need(args.kl_beta >= 0, f"--kl_beta must be >= 0, got {args.kl_beta}")
+    total = args.prompts_per_step * args.num_generations
+    _need(total % world_size == 0,
+          f"samples per step = --prompts_per_step ({args.prompts_per_step}) x --num_generations "
+          f"({args.num_generations}) = {total} must be divisible by the number of ranks ({world_size})")
+    local = total // world_size
+    _need(local % args.train_batch_size == 0,
+          f"samples per rank ({local}) must be divisible by --train_batch_size ({args.train_batch_size})")
+    micro_batches = local // args.train_batch_size
+    accum = args.gradient_accumulation_steps or micro_batches
+    _need(micro_batches % accum == 0,
+          f"micro-batches per rank ({micro_batches} = {local} samples / --train_batch_size "
+          f"{args.train_batch_size}) must be divisible by --gradient_accumulation_steps ({accum})")
+    if args.sde_window_size:
+        trained = args.sde_window_size
+    else:
+        trained = int((args.sampling_steps - 1) * args.timestep_fraction)
+        _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x (--sampling_steps - 1 = "
+                            f"{args.sampling_steps - 1}) trains no timestep; raise one of them")
+    return {"prompts_per_step": args.prompts_per_step, "samples_per_step": total, "samples_per_rank": local,
+            "trained_timesteps": trained, "micro_batches_per_rank": micro_batches,
+            "gradient_accumulation_steps": accum, "optimizer_steps_per_rollout": micro_batches // accum,
+            "world_size": world_size}
+
+
+def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the GRPO trainer's flags (validation happens in ``validate_grpo``)."""
+    parser = build_parser(GRPO_GROUPS, "GRPO post-training of a FLUX transformer (torchrun + FSDP).")
+    return parser.parse_args(argv)

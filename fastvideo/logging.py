@@ -1,0 +1,107 @@
+"""Rank-0 run outputs: metrics JSONL (+ TensorBoard / W&B), progress bar, sample grids, peak memory."""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().cpu()
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (and mirrors to TB / W&B) on rank 0.
+
+    On resume, lines for steps after the resumed step are dropped first, so the file always reads as one
+    uninterrupted run.
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, sinks: Iterable[str] = ("jsonl",),
+                 config: dict | None = None, wandb_project: str = "flux", resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()  # a fresh run in a reused folder starts a fresh log
+        sinks = set(sinks)
+        if "tensorboard" in sinks:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - optional extra
+                raise ValueError("--log_to tensorboard needs `pip install -e .[tensorboard]`") from e
+            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        if "wandb" in sinks:
+            try:
+                import wandb
+            except ImportError as e:  # pragma: no cover - optional extra
+                raise ValueError("--log_to wandb needs `pip install -e .[wandb]`") from e
+            self._wandb = wandb.init(project=wandb_project, config=config or {}, dir=str(output_dir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write ``metrics`` for ``step`` (tensors become floats/lists)."""
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All rows of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
+    """Save images (B,3,H,W) in [0,1] as one PNG grid."""
+    from torchvision.utils import save_image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nrow = nrow or max(1, int(math.ceil(math.sqrt(images.shape[0]))))
+    save_image(images.detach().float().cpu().clamp(0, 1), str(path), nrow=nrow, padding=2)
+    return path
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: accelerator allocator peak, or CPU max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    if device.type == "npu":  # pragma: no cover - NPU only
+        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
+    """A tqdm bar on rank 0 (a no-op object elsewhere)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
