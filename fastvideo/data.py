@@ -1,0 +1,479 @@
+"""Prompt embeddings on disk (writer + lazy reader) and the prompt-group sampler.
+
+The on-disk format lives here only. ``preprocess_embeddings.py`` writes it through
+:class:`EmbeddingWriter`; the trainers read it through :class:`EmbeddingDataset`.
+
+Layout of an output directory::
+
+    OUT/manifest.json            what was encoded, with which encoders (format below)
+    OUT/shard-00000.safetensors  prompts [0, shard_size), tensors "prompt_embeds" (n, T, D) and
+    OUT/shard-00001.safetensors  "pooled_prompt_embeds" (n, Dp); header metadata records the encoder
+    ...                          fingerprint, max_sequence_length, dtype, id range and a hash of the
+                                 prompt texts, so a re-run can keep finished shards.
+
+Shard ``k`` always holds the consecutive prompt ids ``[k*shard_size, (k+1)*shard_size)`` whatever the
+number of ranks, so one rank and many ranks write identical files. Text ids are never stored (they are
+zeros; see ``fastvideo.flux.text_ids``).
+
+Manifest (``format_version`` 1)::
+
+    {"format_version": 1, "model_path": str, "encoders_fingerprint": str, "max_sequence_length": int,
+     "dtype": "fp32" | "bf16", "num_prompts": int, "num_truncated": int, "shard_size": int,
+     "prompt_embeds_shape": [T, D], "pooled_prompt_embeds_shape": [Dp], "prompt_file": str,
+     "shards": [{"file": "shard-00000.safetensors", "first_id": 0, "num_prompts": n}, ...],
+     "prompts": [{"id": 0, "prompt": str, "truncated": bool}, ...]}      # ids in prompt-file order
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DEFAULT_SHARD_SIZE = 64
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+_PREPROCESS_HINT = ("create it with `torchrun --nproc_per_node N preprocess_embeddings.py --model_path MODEL "
+                    "--prompt_file PROMPTS --output_dir {out}`")
+
+
+# --------------------------------------------------------------------------------------------- prompts
+def read_prompt_file(path: str | os.PathLike) -> list[str]:
+    """Prompts of a UTF-8 file, one per line, blank lines skipped; prompt id = index in the result."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt_file {path} does not exist; pass a text file with one prompt per line")
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark written by some editors
+        raw = raw[3:]
+    prompts: list[str] = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--prompt_file {path}, line {lineno}: not valid UTF-8 ({err.reason} at byte "
+                             f"{err.start}); re-save the file as UTF-8") from None
+        text = text.strip()
+        if text:
+            prompts.append(text)
+    if not prompts:
+        raise ValueError(f"--prompt_file {path} contains no prompts; write one prompt per line")
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------- shards
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard: file name and the consecutive prompt ids it holds."""
+
+    index: int
+    first_id: int
+    num_prompts: int
+
+    @property
+    def file(self) -> str:
+        return f"shard-{self.index:05d}.safetensors"
+
+    @property
+    def ids(self) -> range:
+        return range(self.first_id, self.first_id + self.num_prompts)
+
+
+def plan_shards(num_prompts: int, shard_size: int) -> list[ShardSpec]:
+    """Fixed-size shards of consecutive ids (the last may be shorter): a function of the ids only."""
+    if shard_size < 1:
+        raise ValueError(f"--shard_size must be >= 1, got {shard_size}")
+    return [ShardSpec(k, start, min(shard_size, num_prompts - start))
+            for k, start in enumerate(range(0, num_prompts, shard_size))]
+
+
+def _prompts_hash(prompts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What identifies an embedding store: the encoders, the sequence length, the dtype, the sharding."""
+
+    model_path: str
+    encoders_fingerprint: str
+    max_sequence_length: int
+    dtype: str = "fp32"
+    shard_size: int = DEFAULT_SHARD_SIZE
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_sequence_length < 1:
+            raise ValueError(f"--max_sequence_length must be >= 1, got {self.max_sequence_length}")
+
+
+@dataclass
+class EmbeddingWriter:
+    """Writes shards atomically (tmp file + rename) and, on rank 0 at the end, the manifest.
+
+    A shard is *complete* when its file exists and its header matches what would be written now
+    (same encoders, length, dtype, ids and prompt texts); complete shards are kept on re-runs.
+    """
+
+    output_dir: Path
+    prompts: list[str]
+    spec: StoreSpec
+    prompt_file: str = ""
+    shards: list[ShardSpec] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output_dir = Path(self.output_dir)
+        if not self.prompts:
+            raise ValueError("no prompts to write; pass a --prompt_file with at least one prompt")
+        self.shards = plan_shards(len(self.prompts), self.spec.shard_size)
+
+    # -- identity checks ---------------------------------------------------------------------------
+    def check_existing(self) -> None:
+        """Refuse an output directory made with other encoders / max_sequence_length / dtype."""
+        out = self.output_dir
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--output_dir {out} is a file; pass a directory")
+        manifest_path = out / MANIFEST_NAME
+        if manifest_path.is_file():
+            try:
+                old = _read_json(manifest_path)
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"--output_dir {out} holds an unreadable {MANIFEST_NAME} ({err}); delete it "
+                                 "(finished shards are kept) or pass a new --output_dir") from None
+            self._compare(old, f"{manifest_path}")
+        if out.is_dir():
+            for path in sorted(out.iterdir()):
+                if _SHARD_RE.match(path.name):
+                    self._compare(self._shard_header(path), str(path))
+
+    def _compare(self, old: dict, where: str) -> None:
+        # model_path is informational: the same encoders may live at another path (or in FLUX.1-schnell)
+        mine = {"encoders_fingerprint": self.spec.encoders_fingerprint,
+                "max_sequence_length": self.spec.max_sequence_length, "dtype": self.spec.dtype}
+        for key, value in mine.items():
+            theirs = old.get(key)
+            if theirs is not None and str(theirs) != str(value):
+                raise ValueError(
+                    f"--output_dir {self.output_dir} already holds embeddings made with {key}={theirs} "
+                    f"({where}), but this run uses {key}={value}; pass a new --output_dir or delete the old one")
+
+    @staticmethod
+    def _shard_header(path: Path) -> dict:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return dict(fh.metadata() or {})
+        except Exception:  # noqa: BLE001 - a torn/foreign file is simply not a finished shard
+            return {}
+
+    def _expected_header(self, shard: ShardSpec) -> dict[str, str]:
+        return {
+            "format_version": str(FORMAT_VERSION),
+            "encoders_fingerprint": self.spec.encoders_fingerprint,
+            "max_sequence_length": str(self.spec.max_sequence_length),
+            "dtype": self.spec.dtype,
+            "first_id": str(shard.first_id),
+            "num_prompts": str(shard.num_prompts),
+            "prompts_sha256": _prompts_hash(self.prompts[shard.first_id:shard.first_id + shard.num_prompts]),
+        }
+
+    def is_complete(self, shard: ShardSpec) -> bool:
+        """True when the shard file exists and was written for exactly these prompts and encoders."""
+        path = self.output_dir / shard.file
+        if not path.is_file():
+            return False
+        header = self._shard_header(path)
+        return all(header.get(k) == v for k, v in self._expected_header(shard).items())
+
+    # -- writing ----------------------------------------------------------------------------------
+    def shards_for_rank(self, rank: int, world_size: int) -> list[ShardSpec]:
+        """Round-robin assignment: shard k is written by rank k % world_size."""
+        return self.shards[rank::world_size]
+
+    def prompts_of(self, shard: ShardSpec) -> list[str]:
+        """The prompt texts of one shard, in id order."""
+        return self.prompts[shard.first_id:shard.first_id + shard.num_prompts]
+
+    def write_shard(self, shard: ShardSpec, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor,
+                    truncated: list[bool]) -> Path:
+        """Write one shard: prompt_embeds (n, T, D), pooled (n, Dp), in the store dtype; atomic."""
+        from safetensors.torch import save_file
+
+        n = shard.num_prompts
+        if prompt_embeds.shape[0] != n or pooled_prompt_embeds.shape[0] != n or len(truncated) != n:
+            raise ValueError(f"shard {shard.file} expects {n} rows, got prompt_embeds {tuple(prompt_embeds.shape)}, "
+                             f"pooled {tuple(pooled_prompt_embeds.shape)}, {len(truncated)} truncation flags")
+        dtype = DTYPES[self.spec.dtype]
+        tensors = {"prompt_embeds": prompt_embeds.detach().to("cpu", dtype).contiguous(),
+                   "pooled_prompt_embeds": pooled_prompt_embeds.detach().to("cpu", dtype).contiguous()}
+        header = self._expected_header(shard)
+        header["model_path"] = self.spec.model_path
+        header["truncated_ids"] = json.dumps([i for i, t in zip(shard.ids, truncated) if t])
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / shard.file
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=header)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; others on a cluster must read them
+        os.replace(tmp, path)
+        return path
+
+    def finalize(self) -> dict[str, Any]:
+        """Rank 0, after every shard is written: check them, drop stale files, write the manifest."""
+        from safetensors import safe_open
+
+        missing = [s.file for s in self.shards if not self.is_complete(s)]
+        if missing:
+            raise RuntimeError(f"shards {missing[:5]} are missing or stale after encoding (internal error)")
+        truncated: set[int] = set()
+        embed_shape: list[int] = []
+        pooled_shape: list[int] = []
+        for shard in self.shards:
+            with safe_open(str(self.output_dir / shard.file), framework="pt") as fh:
+                truncated.update(json.loads(fh.metadata().get("truncated_ids", "[]")))
+                if not embed_shape:
+                    embed_shape = list(fh.get_slice("prompt_embeds").get_shape()[1:])
+                    pooled_shape = list(fh.get_slice("pooled_prompt_embeds").get_shape()[1:])
+        keep = {s.file for s in self.shards}
+        for path in self.output_dir.iterdir():
+            stale_shard = _SHARD_RE.match(path.name) and path.name not in keep
+            leftover_tmp = path.name.startswith((".shard-", f".{MANIFEST_NAME}")) and ".tmp." in path.name
+            if stale_shard or leftover_tmp:
+                path.unlink(missing_ok=True)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "model_path": self.spec.model_path,
+            "encoders_fingerprint": self.spec.encoders_fingerprint,
+            "max_sequence_length": self.spec.max_sequence_length,
+            "dtype": self.spec.dtype,
+            "num_prompts": len(self.prompts),
+            "num_truncated": len(truncated),
+            "shard_size": self.spec.shard_size,
+            "prompt_embeds_shape": embed_shape,
+            "pooled_prompt_embeds_shape": pooled_shape,
+            "prompt_file": self.prompt_file,
+            "shards": [{"file": s.file, "first_id": s.first_id, "num_prompts": s.num_prompts} for s in self.shards],
+            "prompts": [{"id": i, "prompt": p, "truncated": i in truncated} for i, p in enumerate(self.prompts)],
+        }
+        _atomic_write_text(self.output_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+        return manifest
+
+
+# ---------------------------------------------------------------------------------------------- reader
+class EmbeddingDataset:
+    """Prompt embeddings written by preprocess_embeddings.py, read lazily from memory-mapped shards.
+
+    ``ds[i]`` -> {"prompt_id", "prompt", "prompt_embeds" (T, D), "pooled_prompt_embeds" (Dp,)};
+    ``get_batch(ids)`` stacks rows (ids may repeat). Shards are opened on first use and only the
+    requested rows are read. Picklable (open handles are dropped), so DataLoader workers work.
+    """
+
+    def __init__(self, manifest_path: str | os.PathLike):
+        path = Path(manifest_path)
+        if path.is_dir() or path.suffix != ".json":
+            path = path / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no embedding manifest at {path}; "
+                                    + _PREPROCESS_HINT.format(out=path.parent))
+        self.manifest_path = path
+        self.root = path.parent
+        self.manifest: dict[str, Any] = _read_json(path)
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{path} has format_version {version!r} but this code reads version {FORMAT_VERSION}; "
+                             "re-run preprocess_embeddings.py into a new --output_dir with this version of the code")
+        self.prompts: list[str] = [p["prompt"] for p in self.manifest["prompts"]]
+        if len(self.prompts) != self.manifest["num_prompts"]:
+            raise ValueError(f"{path} is inconsistent (num_prompts != len(prompts)); re-run preprocess_embeddings.py")
+        self._shard_of: list[tuple[str, int]] = [("", 0)] * len(self.prompts)  # id -> (file, row)
+        for shard in self.manifest["shards"]:
+            file = shard["file"]
+            if not (self.root / file).is_file():
+                raise FileNotFoundError(f"shard {self.root / file} listed in {path} is missing; re-run "
+                                        "preprocess_embeddings.py with the same --output_dir to rewrite it")
+            for row in range(shard["num_prompts"]):
+                self._shard_of[shard["first_id"] + row] = (file, row)
+        self._handles: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    @property
+    def max_sequence_length(self) -> int:
+        return int(self.manifest["max_sequence_length"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest["dtype"]]
+
+    def _handle(self, file: str):
+        handle = self._handles.get(file)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(str(self.root / file), framework="pt")
+            self._handles[file] = handle
+        return handle
+
+    def _check_id(self, prompt_id: int) -> int:
+        i = int(prompt_id)
+        if not 0 <= i < len(self.prompts):
+            raise IndexError(f"prompt id {prompt_id} out of range [0, {len(self.prompts)})")
+        return i
+
+    def _rows(self, prompt_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        file, row = self._shard_of[prompt_id]
+        handle = self._handle(file)
+        embeds = handle.get_slice("prompt_embeds")[row:row + 1]  # (1, T, D)
+        pooled = handle.get_slice("pooled_prompt_embeds")[row:row + 1]  # (1, Dp)
+        return embeds, pooled
+
+    def __getitem__(self, prompt_id: int) -> dict[str, Any]:
+        i = self._check_id(prompt_id)
+        embeds, pooled = self._rows(i)
+        return {"prompt_id": i, "prompt": self.prompts[i], "prompt_embeds": embeds[0],
+                "pooled_prompt_embeds": pooled[0]}
+
+    def get_batch(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """Rows for ``prompt_ids`` (repeats allowed): prompt_embeds (B, T, D), pooled (B, Dp)."""
+        ids = [self._check_id(i) for i in prompt_ids]
+        if not ids:
+            raise ValueError("get_batch needs at least one prompt id")
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in ids:
+            if i not in cache:
+                cache[i] = self._rows(i)
+        return {"prompt_ids": torch.tensor(ids, dtype=torch.long),
+                "prompts": [self.prompts[i] for i in ids],
+                "prompt_embeds": torch.cat([cache[i][0] for i in ids]),  # (B, T, D)
+                "pooled_prompt_embeds": torch.cat([cache[i][1] for i in ids])}  # (B, Dp)
+
+    def check_encoders(self, model_path: str | os.PathLike) -> None:
+        """Raise ValueError if these embeddings were made with other text encoders than ``model_path``'s."""
+        from fastvideo.flux import encoders_fingerprint
+
+        theirs = self.manifest.get("encoders_fingerprint")
+        if encoders_fingerprint(model_path) != theirs:
+            raise ValueError(f"embeddings in {self.root} were made with other text encoders "
+                             f"({self.manifest.get('model_path')}) than {model_path}; re-run "
+                             "preprocess_embeddings.py with this --model_path")
+
+
+# --------------------------------------------------------------------------------------------- sampler
+@dataclass(frozen=True)
+class StepSamples:
+    """The samples of one training step: this rank's (prompt id, sample index) pairs and the step's groups."""
+
+    step: int
+    epoch: int
+    group_prompt_ids: list[int]  # all P prompts of the step, in group order
+    prompt_ids: list[int]  # this rank's share of the global [p0 g0..gG-1, p1 g0.., ...] order
+    sample_indices: list[int]  # 0..G-1 index of each sample inside its prompt group
+
+
+class GroupSampler:
+    """Draws ``prompts_per_step`` prompts per step, each repeated ``num_generations`` times.
+
+    A pure function of (seed, step): epoch ``e`` is a permutation of all prompt ids seeded by
+    (seed, e); step ``s`` takes the next ``prompts_per_step`` entries of it (an incomplete tail is
+    dropped, so a step never repeats a prompt). The global sample order is
+    [p0 g0..gG-1, p1 g0..gG-1, ...] and rank r takes the r-th contiguous slice (a group may span ranks).
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, num_generations: int, *, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        if num_prompts < 1:
+            raise ValueError(f"the dataset has {num_prompts} prompts; preprocess a prompt file with at least one")
+        if prompts_per_step < 1 or num_generations < 1:
+            raise ValueError(f"prompts per step ({prompts_per_step}) and --num_generations ({num_generations}) "
+                             "must be >= 1")
+        if prompts_per_step > num_prompts:
+            raise ValueError(f"{prompts_per_step} prompts per step but the dataset has only {num_prompts} prompts; "
+                             "use fewer prompts per step or more prompts")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        total = prompts_per_step * num_generations
+        if total % world_size:
+            raise ValueError(f"prompts_per_step*num_generations = {prompts_per_step}*{num_generations} = {total} "
+                             f"samples per step is not divisible by the world size {world_size}; change the "
+                             "batch size or --num_generations so every rank gets the same number of samples")
+        self.num_prompts = int(num_prompts)
+        self.prompts_per_step = int(prompts_per_step)
+        self.num_generations = int(num_generations)
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.samples_per_rank = total // world_size
+        self.steps_per_epoch = self.num_prompts // self.prompts_per_step
+        self.step = 0  # the next step .next() returns
+        self._perm_cache: tuple[int, list[int]] | None = None
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            from fastvideo.seeding import generator
+
+            perm = torch.randperm(self.num_prompts, generator=generator(self.seed, "group_sampler", epoch))
+            self._perm_cache = (epoch, perm.tolist())
+        return self._perm_cache[1]
+
+    def samples_for_step(self, step: int) -> StepSamples:
+        """This rank's samples of ``step`` (does not move the position)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        epoch, k = divmod(int(step), self.steps_per_epoch)
+        P, G = self.prompts_per_step, self.num_generations
+        groups = self._permutation(epoch)[k * P:(k + 1) * P]
+        lo = self.rank * self.samples_per_rank
+        flat = range(lo, lo + self.samples_per_rank)  # positions in the global [P*G] order
+        return StepSamples(step=int(step), epoch=epoch, group_prompt_ids=list(groups),
+                           prompt_ids=[groups[j // G] for j in flat], sample_indices=[j % G for j in flat])
+
+    def next(self) -> StepSamples:
+        """Samples of the current step, then advance."""
+        out = self.samples_for_step(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """Position (next step) plus the settings it is only meaningful with."""
+        return {"step": self.step, "seed": self.seed, "num_prompts": self.num_prompts,
+                "prompts_per_step": self.prompts_per_step, "num_generations": self.num_generations}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the position; refuse a state saved with other seed/dataset/batch settings."""
+        for key in ("seed", "num_prompts", "prompts_per_step", "num_generations"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(f"checkpoint's sampler was saved with {key}={state[key]} but this run has "
+                                 f"{key}={getattr(self, key)}; resume with the same settings or start a new "
+                                 "--output_dir")
+        self.step = int(state["step"])
