@@ -1,0 +1,163 @@
+"""Reward registry: ``build_reward("hpsv2:1.0,jpeg_compressibility:0.5", device, **paths)`` -> RewardFn.
+
+A RewardFn maps (images (B,3,H,W) float in [0,1], prompts: list[str]) to a dict of (B,) float32 CPU
+tensors: ``"total"`` (the weighted sum) and one entry per reward name (unweighted, for logging).
+Each family lives in its own module and imports open_clip/transformers only when built, so importing
+this package is cheap. Models are loaded once, in eval mode, without grad, on the given device; every
+path is local (nothing is downloaded) and a missing one is a FileNotFoundError naming its flag.
+
+Families and their flags (keyword arguments of ``build_reward`` carry the flag names):
+  hpsv2                   --hps_checkpoint, --hps_model (open_clip name or config JSON; ViT-H-14)
+  pickscore               --pickscore_model, --pickscore_processor (transformers folders)
+  clipscore               --clip_checkpoint, --clip_model (open_clip name or config JSON; ViT-H-14)
+  aesthetic               --aesthetic_checkpoint, --aesthetic_clip_checkpoint, --aesthetic_clip_model
+  jpeg_compressibility    (no weights) -size_kB/500 at JPEG quality 95
+  jpeg_incompressibility  (no weights) +size_kB/500
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+Scorer = Callable[[torch.Tensor, Sequence[str]], torch.Tensor]
+
+# name -> (module, factory); each factory is build(device, **paths) -> Scorer.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "hpsv2": ("fastvideo.rewards.hpsv2", "build"),
+    "pickscore": ("fastvideo.rewards.pickscore", "build"),
+    "clipscore": ("fastvideo.rewards.clipscore", "build"),
+    "aesthetic": ("fastvideo.rewards.aesthetic", "build"),
+    "jpeg_compressibility": ("fastvideo.rewards.jpeg", "build_compressibility"),
+    "jpeg_incompressibility": ("fastvideo.rewards.jpeg", "build_incompressibility"),
+}
+REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+# Flags each reward requires, checked for every requested reward before any model is loaded.
+_REQUIRED_PATHS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "hpsv2": (("hps_checkpoint", "file", "HPS_v2_compressed.pt or HPS_v2.1_compressed.pt"),),
+    "pickscore": (("pickscore_model", "dir", "a local folder of yuvalkirstain/PickScore_v1"),
+                  ("pickscore_processor", "dir", "a local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K")),
+    "clipscore": (("clip_checkpoint", "file", "an open_clip checkpoint (open_clip_pytorch_model.bin)"),),
+    "aesthetic": (("aesthetic_checkpoint", "file", "LAION's sac+logos+ava1-l14-linearMSE.pth"),
+                  ("aesthetic_clip_checkpoint", "any", "a CLIP ViT-L/14 transformers folder or open_clip file")),
+}
+# Architecture flags that may hold a config JSON path instead of a model name.
+_ARCH_FLAGS: dict[str, str] = {"hpsv2": "hps_model", "clipscore": "clip_model", "aesthetic": "aesthetic_clip_model"}
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """Parse ``"name[:weight],name[:weight],..."`` (weight defaults to 1.0) into [(name, weight)]."""
+    valid = ", ".join(REWARD_NAMES)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty reward spec {spec!r}; use e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
+                         f"with names from: {valid}")
+    parsed: list[tuple[str, float]] = []
+    for item in spec.split(","):
+        name, sep, weight_text = (part.strip() for part in item.partition(":"))
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown reward {name!r} in spec {spec!r}; valid names: {valid}")
+        weight = 1.0
+        if sep:
+            try:
+                weight = float(weight_text)
+            except ValueError:
+                raise ValueError(f"malformed weight {weight_text!r} for reward {name!r} in spec {spec!r}; "
+                                 f"write name:weight with a number, e.g. {name}:1.0 (valid names: {valid})") from None
+            if not math.isfinite(weight):
+                raise ValueError(f"weight of reward {name!r} must be finite, got {weight_text!r} in spec {spec!r}")
+        if name in (n for n, _ in parsed):
+            raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once")
+        parsed.append((name, weight))
+    return parsed
+
+
+@dataclass
+class RewardFn:
+    """Weighted sum of reward components; ``fn(images, prompts) -> {"total": (B,), name: (B,), ...}``."""
+
+    components: list[tuple[str, float, Scorer]]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def names(self) -> list[str]:
+        """Component names in spec order."""
+        return [name for name, _, _ in self.components]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Component name -> weight."""
+        return {name: weight for name, weight, _ in self.components}
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score a batch; all outputs are detached (B,) float32 CPU tensors, "total" = sum of weight * component."""
+        if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3:
+            shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
+            raise ValueError(f"rewards take images of shape (B, 3, H, W) in [0, 1], got {shape}")
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"got {images.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
+        out: dict[str, torch.Tensor] = {}
+        total = torch.zeros(images.shape[0], dtype=torch.float32)
+        with torch.no_grad():
+            for name, weight, scorer in self.components:
+                scores = scorer(images, prompts).detach().to("cpu", torch.float32).reshape(-1)
+                _check_finite(name, scores, images, prompts)
+                out[name] = scores
+                total = total + weight * scores
+        return {"total": total, **out}
+
+    def __repr__(self) -> str:
+        spec = ",".join(f"{n}:{w:g}" for n, w, _ in self.components)
+        return f"RewardFn({spec!r}, device={self.device})"
+
+
+def _check_finite(name: str, scores: torch.Tensor, images: torch.Tensor, prompts: list[str]) -> None:
+    """Raise ValueError naming the reward and the prompt of the first non-finite score."""
+    assert scores.shape[0] == len(prompts), f"reward {name!r} returned {scores.shape[0]} scores for {len(prompts)}"
+    bad = (~torch.isfinite(scores)).nonzero().flatten()
+    if bad.numel() == 0:
+        return
+    i = int(bad[0])
+    cause = (" (the image itself has NaN/inf pixels: check the rollout and VAE decode, e.g. bf16 overflow)"
+             if not bool(torch.isfinite(images[i]).all()) else "")
+    raise ValueError(f"reward {name!r} is not finite ({scores[i].item()}) for sample {i} with prompt "
+                     f"{prompts[i]!r}{cause}; {bad.numel()} of {len(prompts)} samples affected")
+
+
+def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoint: str | None = None,
+                 hps_model: str = "ViT-H-14", hps_model_config: str | None = None,
+                 pickscore_model: str | None = None, pickscore_processor: str | None = None,
+                 clip_checkpoint: str | None = None, clip_model: str = "ViT-H-14",
+                 aesthetic_checkpoint: str | None = None, aesthetic_clip_checkpoint: str | None = None,
+                 aesthetic_clip_model: str = "ViT-L-14-quickgelu") -> RewardFn:
+    """Build the weighted reward of ``spec``; every path is validated before any model is loaded.
+
+    ``hps_model_config`` is an alias of ``hps_model`` given a config JSON (it wins when set).
+    """
+    from ._common import looks_like_path, require_path
+
+    components = parse_reward_spec(spec)
+    device = torch.device(device)
+    paths = dict(hps_checkpoint=hps_checkpoint, hps_model=hps_model_config or hps_model,
+                 pickscore_model=pickscore_model, pickscore_processor=pickscore_processor,
+                 clip_checkpoint=clip_checkpoint, clip_model=clip_model,
+                 aesthetic_checkpoint=aesthetic_checkpoint, aesthetic_clip_checkpoint=aesthetic_clip_checkpoint,
+                 aesthetic_clip_model=aesthetic_clip_model)
+    for name, _ in components:  # fail fast, before loading anything heavy
+        for key, kind, what in _REQUIRED_PATHS.get(name, ()):
+            require_path(paths[key], f"--{key}", name, what, kind=kind)
+        arch = _ARCH_FLAGS.get(name)
+        if arch and paths[arch] and looks_like_path(str(paths[arch])):
+            require_path(paths[arch], f"--{arch}", name, "an open_clip model-config JSON")
+    built: list[tuple[str, float, Scorer]] = []
+    for name, weight in components:
+        module_name, factory = _REGISTRY[name]
+        built.append((name, weight, getattr(importlib.import_module(module_name), factory)(device, **paths)))
+    return RewardFn(built, device)
+
+
+__all__ = ["REWARD_NAMES", "RewardFn", "Scorer", "build_reward", "parse_reward_spec"]

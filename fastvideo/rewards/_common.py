@@ -1,0 +1,209 @@
+"""Helpers shared by the reward families: path checks, batched CLIP preprocessing, open_clip loading.
+
+Only torch and the standard library are imported at module level; open_clip and transformers are
+imported inside the functions that need them, so ``import fastvideo.rewards`` stays light.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+# CLIP's normalisation constants (open_clip.constants.OPENAI_DATASET_MEAN/STD), used by HPS, CLIP score, aesthetic.
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def require_path(path: str | Path | None, flag: str, reward: str, what: str, kind: str = "file") -> Path:
+    """Return ``path`` as a Path, or raise FileNotFoundError naming the flag that must point at it."""
+    if path is None or str(path) == "":
+        raise FileNotFoundError(f"reward '{reward}' needs {flag} ({what}); pass {flag} /path/to/it "
+                                f"(nothing is downloaded)")
+    p = Path(path).expanduser()
+    ok = p.is_file() if kind == "file" else p.is_dir() if kind == "dir" else p.exists()
+    if not ok:
+        expected = {"file": "a file", "dir": "a directory"}.get(kind, "a file or directory")
+        raise FileNotFoundError(f"reward '{reward}': {flag} {str(path)!r} is not {expected} ({what}); "
+                                f"fix the path given to {flag}")
+    return p
+
+
+def looks_like_path(value: str) -> bool:
+    """True when a model argument is meant as a config-file path rather than a registered model name."""
+    return value.endswith(".json") or "/" in value or "\\" in value or Path(value).is_file()
+
+
+def quantize_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Round [0,1] images to the 1/255 grid, as converting to a PIL image (what the references score) does."""
+    return images.float().clamp(0.0, 1.0).mul_(255.0).round_().div_(255.0)  # one new tensor, then in place
+
+
+def to_grey_levels(images: torch.Tensor) -> torch.Tensor:
+    """[0,1] images -> float32 grey levels 0..255 rounded to integers (a uint8 PIL image's values)."""
+    return images.float().clamp(0.0, 1.0).mul_(255.0).round_()
+
+
+def normalize_grey_levels(levels: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """(levels/255 - mean) / std per channel in one fused op: (B,3,H,W) grey levels -> CLIP input."""
+    std_t = torch.tensor(std, dtype=torch.float32, device=levels.device).view(1, -1, 1, 1)
+    mean_t = torch.tensor(mean, dtype=torch.float32, device=levels.device).view(1, -1, 1, 1)
+    return torch.addcmul(-mean_t / std_t, levels, 1.0 / (255.0 * std_t))
+
+
+def pil_bicubic_resize(levels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Resize a batch of 0..255 grey levels as PIL's BICUBIC resizes a uint8 image, to within 1-2 levels.
+
+    PIL resamples 8-bit images separably, width first, rounding and clipping to 0..255 after each pass
+    (the clip matters: bicubic overshoots on sharp content); its kernel (a=-0.5, widened when
+    downscaling) is torch's antialiased bicubic, also when upsampling.
+    """
+    h, w = levels.shape[-2:]
+    new_h, new_w = size
+    x = levels
+    if new_w != w:
+        x = F.interpolate(x, size=(h, new_w), mode="bicubic", align_corners=False, antialias=True)
+        x = x.clamp_(0.0, 255.0).round_()
+    if new_h != h:
+        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+        x = x.clamp_(0.0, 255.0).round_()
+    return x
+
+
+def resize_longest_and_pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """HPS v2's ResizeMaxSize, batched: bicubic-resize the longer side to ``size``, centre zero-pad to a square.
+
+    (B,3,H,W) grey levels -> (B,3,size,size); the padding (value 0, before normalisation) is split like HPS:
+    left/top get ``pad // 2``, right/bottom the rest. (HPS skips the pad when the longer side is already
+    ``size``, leaving a non-square input its ViT cannot take; we always pad.)
+    """
+    h, w = images.shape[-2:]
+    scale = size / max(h, w)
+    new_h, new_w = round(h * scale), round(w * scale)
+    x = pil_bicubic_resize(images, (new_h, new_w))
+    pad_h, pad_w = size - new_h, size - new_w
+    if pad_h or pad_w:
+        x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
+    return x
+
+
+def resize_shortest_and_center_crop(images: torch.Tensor, size: int) -> torch.Tensor:
+    """CLIP's eval transform on grey levels, batched: Resize(size) of the shorter side, CenterCrop(size)."""
+    h, w = images.shape[-2:]
+    short, long = (h, w) if h <= w else (w, h)
+    new_short, new_long = size, int(size * long / short)
+    new_h, new_w = (new_short, new_long) if h <= w else (new_long, new_short)
+    x = pil_bicubic_resize(images, (new_h, new_w))
+    top = int(round((new_h - size) / 2.0))
+    left = int(round((new_w - size) / 2.0))
+    return x[..., top:top + size, left:left + size]
+
+
+def clip_pixels(images: torch.Tensor, size: int, mean: Sequence[float], std: Sequence[float], *,
+                pad: bool) -> torch.Tensor:
+    """(B,3,H,W) [0,1] -> (B,3,size,size) CLIP input built as the references' PIL pipeline builds it.
+
+    Round to uint8 levels, PIL-bicubic resize, then ``pad=True``: longer side to ``size`` + centre zero-pad
+    (HPS v2) or ``pad=False``: shorter side to ``size`` + centre crop (CLIP), then normalise.
+    """
+    levels = to_grey_levels(images)
+    levels = resize_longest_and_pad(levels, size) if pad else resize_shortest_and_center_crop(levels, size)
+    return normalize_grey_levels(levels, mean, std)
+
+
+def encode_unique(prompts: Sequence[str], encode: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
+    """Encode each distinct prompt once (GRPO batches repeat every prompt G times) and expand to (B, D)."""
+    unique = list(dict.fromkeys(prompts))
+    feats = encode(unique)  # (U, D)
+    where = {p: i for i, p in enumerate(unique)}
+    index = torch.tensor([where[p] for p in prompts], device=feats.device)
+    return feats.index_select(0, index)
+
+
+def features(output: Any) -> torch.Tensor:
+    """A transformers get_*_features result as a tensor (v5 returns a ModelOutput with pooler_output)."""
+    if torch.is_tensor(output):
+        return output
+    pooled = getattr(output, "pooler_output", None)
+    if torch.is_tensor(pooled):
+        return pooled
+    raise TypeError(f"cannot read features from {type(output).__name__}")
+
+
+def hf_pixel_values(image_processor: Any, images: torch.Tensor) -> torch.Tensor:
+    """Run a transformers CLIP image processor on a float [0,1] batch without leaving the tensor's device."""
+    out = image_processor(images=list(images), do_rescale=False, return_tensors="pt")
+    return out["pixel_values"].to(device=images.device, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- open_clip
+def open_clip_config(model: str, flag: str, reward: str) -> dict:
+    """An open_clip model config from a registered name (e.g. "ViT-H-14") or a config JSON path."""
+    if looks_like_path(model):
+        path = require_path(model, flag, reward, "an open_clip model-config JSON")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"reward '{reward}': {flag} {model!r} is not valid JSON ({e})") from e
+        cfg = cfg.get("model_cfg", cfg)  # also accept open_clip_config.json from a hub folder
+    else:
+        import open_clip
+
+        cfg = open_clip.get_model_config(model)
+        if cfg is None:
+            raise ValueError(f"reward '{reward}': {flag} {model!r} is neither an open_clip model name nor a config "
+                             f"JSON path; names include {', '.join(open_clip.list_models()[:8])}, ...")
+    missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if k not in cfg]
+    if missing:
+        raise ValueError(f"reward '{reward}': {flag} {model!r} lacks {missing}; expected an open_clip model config "
+                         f"with embed_dim, vision_cfg and text_cfg")
+    return copy.deepcopy(cfg)
+
+
+def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, model_flag: str,
+                   checkpoint_flag: str, reward: str) -> tuple[torch.nn.Module, Callable, dict]:
+    """Build an open_clip CLIP from ``model`` (name or JSON), load ``checkpoint`` strictly, eval/no-grad on device.
+
+    Returns (model, tokenizer, preprocess) where preprocess holds ``size``, ``mean`` and ``std``.
+    The checkpoint may be a plain state dict, ``{'state_dict': ...}`` (HPS format), ``module.``-prefixed
+    (DDP-trained) or safetensors: open_clip's ``load_checkpoint`` handles them all (weights_only loading, so
+    OpenAI's TorchScript ``ViT-L-14.pt`` is refused; use open_clip's ``open_clip_pytorch_model.bin`` instead).
+    """
+    import open_clip
+    from open_clip.model import CLIP, CustomTextCLIP
+
+    cfg = open_clip_config(model, model_flag, reward)
+    preprocess = dict(cfg.pop("preprocess_cfg", {}) or {})
+    if "hf_model_name" in cfg["text_cfg"] or "multimodal_cfg" in cfg:
+        raise ValueError(f"reward '{reward}': {model_flag} {model!r} needs a Hugging Face text tower or is a CoCa "
+                         f"model; only plain CLIP configs (like ViT-H-14) load offline")
+    if "timm_model_name" in cfg["vision_cfg"]:
+        cfg["vision_cfg"]["timm_model_pretrained"] = False  # never download tower weights
+    model_class = CustomTextCLIP if cfg.pop("custom_text", False) else CLIP
+    with torch.device(device):  # random init directly on the device (fast on GPU), then overwritten
+        net = model_class(**cfg)
+    try:
+        open_clip.load_checkpoint(net, str(checkpoint), strict=True)
+    except RuntimeError as e:
+        if "loading state_dict" not in str(e):
+            raise
+        raise ValueError(f"reward '{reward}': {checkpoint_flag} {str(checkpoint)!r} does not fit the architecture "
+                         f"{model_flag} {model!r}; pass the matching model name or config JSON to {model_flag} "
+                         f"({str(e).splitlines()[0][:300]})") from e
+    net = net.to(device).eval().requires_grad_(False)
+
+    image_size = net.visual.image_size
+    size = image_size[0] if isinstance(image_size, (tuple, list)) else int(image_size)
+    text_cfg = cfg["text_cfg"]
+    text_cfg = text_cfg if isinstance(text_cfg, dict) else {}
+    if text_cfg.get("hf_tokenizer_name"):
+        raise ValueError(f"reward '{reward}': {model_flag} {model!r} uses a Hugging Face tokenizer; "
+                         f"use a model with open_clip's own BPE tokenizer")
+    tokenizer = open_clip.SimpleTokenizer(context_length=text_cfg.get("context_length", 77),
+                                          **text_cfg.get("tokenizer_kwargs", {}))
+    preprocess = {"size": size, "mean": tuple(preprocess.get("mean", OPENAI_CLIP_MEAN)),
+                  "std": tuple(preprocess.get("std", OPENAI_CLIP_STD))}
+    return net, tokenizer, preprocess
