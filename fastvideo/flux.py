@@ -1,0 +1,374 @@
+"""Everything FLUX-specific: load parts of a diffusers FLUX folder, encode prompts, pack/unpack latents,
+position ids, one transformer velocity call, and VAE decoding.
+
+The same code serves FLUX.1-dev and the tiny folders of ``fastvideo.tiny``. Shapes: latents are packed
+2x2 into tokens ``(B, L, C)`` with ``L = (H / 2f) * (W / 2f)`` and ``C = 4 * latent_channels`` where ``f``
+is the VAE scale factor (8 for FLUX).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+# component -> files of which at least one must exist for the component to count as present
+_COMPONENT_FILES: dict[str, tuple[str, ...]] = {
+    "transformer": ("config.json",),
+    "vae": ("config.json",),
+    "text_encoder": ("config.json",),
+    "text_encoder_2": ("config.json",),
+    "tokenizer": ("tokenizer.json", "vocab.json"),
+    "tokenizer_2": ("tokenizer.json", "spiece.model"),
+    "scheduler": ("scheduler_config.json",),
+}
+COMPONENTS: tuple[str, ...] = tuple(_COMPONENT_FILES)
+TEXT_COMPONENTS: tuple[str, ...] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+
+_BUILD_HINT = ("pass a diffusers FLUX folder (e.g. a local download of black-forest-labs/FLUX.1-dev) "
+               "or build a tiny one with `python -m fastvideo.tiny --preset tiny --out DIR`")
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def check_model_folder(path: str | os.PathLike, components: tuple[str, ...] | list[str] = COMPONENTS) -> Path:
+    """Return ``path`` as a Path if it holds the given FLUX components; else FileNotFoundError naming the fix."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"FLUX model folder {str(folder)!r} does not exist: {_BUILD_HINT}")
+    missing = []
+    for name in components:
+        if name not in _COMPONENT_FILES:
+            raise ValueError(f"unknown FLUX component {name!r}: choose from {list(COMPONENTS)}")
+        if not any((folder / name / f).is_file() for f in _COMPONENT_FILES[name]):
+            missing.append(f"{name}/ ({' or '.join(_COMPONENT_FILES[name])})")
+    if missing:
+        raise FileNotFoundError(f"FLUX model folder {str(folder)!r} is missing {', '.join(missing)}: {_BUILD_HINT}")
+    return folder
+
+
+def unwrap_model(model: Any) -> Any:
+    """The innermost model under DDP/FSDP1 (``.module``), torch.compile (``._orig_mod``) or peft wrappers.
+
+    FSDP2's ``fully_shard`` and diffusers' ``add_adapter`` keep the module class, so those need no unwrapping.
+    """
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__.startswith("Peft") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, FSDP1
+            model = model.module
+        else:
+            break
+    return model
+
+
+def model_config(model: Any) -> Any:
+    """A model's diffusers/transformers config, read through wrappers (FSDP1/DDP, torch.compile, peft)."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: pass a diffusers/transformers model")
+    return config
+
+
+def _config_get(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 if it has none)."""
+    for p in unwrap_model(model).parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _subfolder(path: str | os.PathLike, name: str) -> Path:
+    """``path/name`` if ``path`` is a pipeline folder, ``path`` itself if it already is the component folder."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file() and not (folder / name).is_dir():
+        return folder
+    return check_model_folder(folder, (name,)) / name
+
+
+def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu"):
+    """Load the FluxTransformer2DModel of a FLUX folder (or a bare transformer folder) for training/sampling."""
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(_subfolder(path, "transformer"), torch_dtype=dtype,
+                                                   local_files_only=True)
+    return model.to(device)
+
+
+def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load the frozen AutoencoderKL of a FLUX folder (eval mode, no grad)."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(_subfolder(path, "vae"), torch_dtype=dtype, local_files_only=True)
+    return vae.to(device).eval().requires_grad_(False)
+
+
+@dataclass
+class TextEncoders:
+    """FLUX's two frozen text encoders and their tokenizers (CLIP gives the pooled vector, T5 the sequence)."""
+
+    clip_tokenizer: Any
+    clip: Any
+    t5_tokenizer: Any
+    t5: Any
+
+    @property
+    def device(self) -> torch.device:
+        return self.t5.device
+
+
+def load_text_encoders(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> TextEncoders:
+    """Load only the tokenizers and text encoders of a FLUX folder (eval mode, no grad)."""
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+
+    folder = check_model_folder(path, TEXT_COMPONENTS)
+    clip = CLIPTextModel.from_pretrained(folder / "text_encoder", dtype=dtype, local_files_only=True)
+    t5 = T5EncoderModel.from_pretrained(folder / "text_encoder_2", dtype=dtype, local_files_only=True)
+    return TextEncoders(
+        clip_tokenizer=CLIPTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True),
+        clip=clip.to(device).eval().requires_grad_(False),
+        t5_tokenizer=T5TokenizerFast.from_pretrained(folder / "tokenizer_2", local_files_only=True),
+        t5=t5.to(device).eval().requires_grad_(False),
+    )
+
+
+def _weight_digest(file: Path) -> bytes:
+    """A cheap digest of a (possibly multi-GB) weight file: name, size, safetensors header, first and last MiB."""
+    h = hashlib.sha256()
+    size = file.stat().st_size
+    h.update(f"{file.name}:{size}".encode())
+    chunk = 1 << 20
+    with open(file, "rb") as f:
+        h.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(chunk, size - chunk))
+            h.update(f.read(chunk))
+    return h.digest()
+
+
+def encoders_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 over the text encoders' and tokenizers' files: configs and tokenizer files in full, weights sampled.
+
+    Used to tell whether stored prompt embeddings were made by the same text encoders.
+    """
+    folder = check_model_folder(path, TEXT_COMPONENTS)
+    h = hashlib.sha256()
+    for name in TEXT_COMPONENTS:
+        for file in sorted((folder / name).rglob("*")):
+            if not file.is_file() or file.name.startswith("."):
+                continue
+            h.update(str(file.relative_to(folder)).encode() + b"\0")
+            if file.suffix in (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"):
+                h.update(_weight_digest(file))
+            else:
+                h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def encode_prompts(encoders: TextEncoders, prompts: list[str], max_sequence_length: int = 512
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """Encode prompts as ``FluxPipeline.encode_prompt`` does: T5 sequence ``(B, T, D)``, CLIP pooled ``(B, Dp)``,
+    and per prompt whether the T5 or CLIP tokens were cut (T = ``max_sequence_length``, CLIP keeps 77)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("encode_prompts needs a non-empty list of prompt strings")
+    if not 1 <= max_sequence_length <= 512:
+        raise ValueError(f"max_sequence_length must be in [1, 512] (FLUX's T5 limit), got {max_sequence_length}")
+    prompts = list(prompts)
+
+    clip_tok, t5_tok = encoders.clip_tokenizer, encoders.t5_tokenizer
+    clip_len = clip_tok.model_max_length
+    clip_ids = clip_tok(prompts, padding="max_length", max_length=clip_len, truncation=True,
+                        return_tensors="pt").input_ids
+    pooled = encoders.clip(clip_ids.to(encoders.clip.device), output_hidden_states=False).pooler_output
+
+    t5_ids = t5_tok(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
+                    return_tensors="pt").input_ids
+    prompt_embeds = encoders.t5(t5_ids.to(encoders.t5.device), output_hidden_states=False)[0]
+
+    clip_full = clip_tok(prompts, verbose=False).input_ids
+    t5_full = t5_tok(prompts, verbose=False).input_ids
+    truncated = [len(c) > clip_len or len(t) > max_sequence_length for c, t in zip(clip_full, t5_full)]
+    return prompt_embeds, pooled, truncated
+
+
+# ------------------------------------------------------------------------------------------ latent geometry
+def vae_scale_factor(vae_or_config: Any) -> int:
+    """Pixels per latent pixel: 2 ** (number of VAE blocks - 1) (8 for FLUX), as FluxPipeline computes it."""
+    config = _vae_config(vae_or_config)
+    return 2 ** (len(_config_get(config, "block_out_channels")) - 1)
+
+
+def _vae_config(vae_or_config: Any) -> Any:
+    """Config of a VAE given the model, its config (object or dict), a FLUX folder or a vae folder."""
+    if isinstance(vae_or_config, (str, os.PathLike)):
+        folder = Path(vae_or_config).expanduser()
+        file = folder / "config.json" if (folder / "config.json").is_file() else folder / "vae" / "config.json"
+        if not file.is_file():
+            check_model_folder(folder, ("vae",))
+        return json.loads(file.read_text())
+    if isinstance(vae_or_config, Mapping) or not isinstance(vae_or_config, torch.nn.Module):
+        return vae_or_config
+    return model_config(vae_or_config)
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """Image size and the VAE facts that fix the latent and packed-token shapes."""
+
+    height: int
+    width: int
+    vae_scale_factor: int
+    latent_channels: int
+
+    @property
+    def latent_h(self) -> int:
+        return self.height // self.vae_scale_factor
+
+    @property
+    def latent_w(self) -> int:
+        return self.width // self.vae_scale_factor
+
+    @property
+    def seq_len(self) -> int:
+        """Packed image tokens L."""
+        return (self.latent_h // 2) * (self.latent_w // 2)
+
+    @property
+    def packed_channels(self) -> int:
+        """Channels per packed token C (4 x latent channels)."""
+        return 4 * self.latent_channels
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """Unpacked latent shape (channels, h, w) without the batch."""
+        return (self.latent_channels, self.latent_h, self.latent_w)
+
+    @property
+    def packed_shape(self) -> tuple[int, int]:
+        """Packed latent shape (L, C) without the batch."""
+        return (self.seq_len, self.packed_channels)
+
+
+def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeometry:
+    """LatentGeometry for images of ``height`` x ``width`` pixels; ValueError if not multiples of 2 x scale factor."""
+    config = _vae_config(vae_or_config)
+    factor = vae_scale_factor(config)
+    multiple = 2 * factor
+    for name, value in (("height", height), ("width", width)):
+        if int(value) != value or value < multiple or value % multiple:
+            lower = max(multiple, int(value) // multiple * multiple)
+            raise ValueError(f"image {name} {value} must be a positive multiple of {multiple} (VAE scale factor "
+                             f"{factor} x 2x2 packing): use e.g. {lower} or {lower + multiple}")
+    return LatentGeometry(int(height), int(width), factor, int(_config_get(config, "latent_channels")))
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) latents -> (B, (h/2)(w/2), 4C) tokens of 2x2 patches, row-major (FLUX packing)."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height/width must be even to pack 2x2 patches, got {h}x{w}")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2)  # B C h2 2 w2 2
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, geometry: LatentGeometry) -> torch.Tensor:
+    """(B, L, 4C) packed tokens -> (B, C, h, w) latents; inverse of pack_latents."""
+    b, length, channels = tokens.shape
+    if (length, channels) != geometry.packed_shape:
+        raise ValueError(f"packed latents have shape (L, C) = {(length, channels)} but the geometry "
+                         f"{geometry.height}x{geometry.width} expects {geometry.packed_shape}")
+    c, h, w = geometry.latent_shape
+    x = tokens.view(b, h // 2, w // 2, c, 2, 2)  # B h2 w2 C 2 2
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+def image_ids(geometry: LatentGeometry, device: str | torch.device | None = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(L, 3) rotary position ids of the packed image tokens: [0, row, col]."""
+    rows, cols = geometry.latent_h // 2, geometry.latent_w // 2
+    ids = torch.zeros(rows, cols, 3)
+    ids[..., 1] = torch.arange(rows, dtype=ids.dtype)[:, None]
+    ids[..., 2] = torch.arange(cols, dtype=ids.dtype)[None, :]
+    return ids.reshape(rows * cols, 3).to(device=device, dtype=dtype)
+
+
+def text_ids(num_tokens: int, device: str | torch.device | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(T, 3) rotary position ids of the text tokens: all zeros."""
+    return torch.zeros(num_tokens, 3, device=device, dtype=dtype)
+
+
+# -------------------------------------------------------------------------------------------- model calls
+def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | torch.Tensor,
+                     prompt_embeds: torch.Tensor, pooled: torch.Tensor, img_ids: torch.Tensor,
+                     txt_ids: torch.Tensor, guidance: float | torch.Tensor | None = 3.5) -> torch.Tensor:
+    """Velocity (B, L, C) of the FLUX transformer at noise level ``sigma`` (fed unquantised as the timestep).
+
+    The guidance embedding is fed only if ``transformer.config.guidance_embeds`` (FLUX.1-dev); works on the
+    bare model and on FSDP2/FSDP1/peft/compiled wrappers. Inputs are cast to the model's dtype unless autocast
+    is active; the output is float32.
+    """
+    batch = latents.shape[0]
+    device = latents.device
+    if prompt_embeds.shape[0] != batch or pooled.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: latents {batch}, prompt_embeds {prompt_embeds.shape[0]}, "
+                         f"pooled {pooled.shape[0]}; repeat the embeddings per sample")
+    timestep = torch.as_tensor(sigma, dtype=torch.float32, device=device)
+    timestep = timestep.expand(batch) if timestep.ndim == 0 else timestep.reshape(batch)
+
+    guidance_vec = None
+    if _config_get(model_config(transformer), "guidance_embeds", False):
+        if guidance is None:
+            raise ValueError("this transformer has a guidance embedding (FLUX.1-dev style): pass guidance "
+                             "(3.5 is FLUX.1-dev's default)")
+        guidance_vec = torch.as_tensor(guidance, dtype=torch.float32, device=device)
+        guidance_vec = guidance_vec.expand(batch) if guidance_vec.ndim == 0 else guidance_vec.reshape(batch)
+
+    if not torch.is_autocast_enabled(device.type):
+        dtype = _model_dtype(transformer)
+        latents, prompt_embeds, pooled = latents.to(dtype), prompt_embeds.to(dtype), pooled.to(dtype)
+    out = transformer(
+        hidden_states=latents,
+        timestep=timestep,
+        guidance=guidance_vec,
+        pooled_projections=pooled,
+        encoder_hidden_states=prompt_embeds,
+        txt_ids=txt_ids,
+        img_ids=img_ids,
+        return_dict=False,
+    )[0]
+    return out.float()
+
+
+def decode(vae: Any, latents: torch.Tensor, geometry: LatentGeometry, micro_batch: int | None = None
+           ) -> torch.Tensor:
+    """Packed latents (B, L, C) -> images (B, 3, H, W) float32 in [0, 1], as FluxPipeline decodes them.
+
+    Decodes the whole batch in one VAE call, or in chunks of ``micro_batch`` samples to bound memory.
+    """
+    config = model_config(vae)
+    scaling = _config_get(config, "scaling_factor", 1.0)
+    shift = _config_get(config, "shift_factor", None) or 0.0
+    z = unpack_latents(latents, geometry) / scaling + shift
+    z = z.to(_model_dtype(vae))
+    step = micro_batch or z.shape[0]
+    images = [vae.decode(chunk, return_dict=False)[0] for chunk in z.split(step)]
+    return (torch.cat(images) / 2 + 0.5).clamp(0, 1).float()
