@@ -1,0 +1,221 @@
+"""LoRA adapters on the FLUX transformer (peft, as diffusers does), the reference policy, and standard exports.
+
+Typical use (the adapter is added before ``shard_model``; every rank adds it with the same ``init_seed``):
+
+    transformer = add_lora(transformer, rank=32, alpha=32, init_seed=seed)   # base frozen, adapter "default"
+    model = shard_model(transformer, ...)
+    with torch.no_grad(), disable_adapters(model):
+        ref_velocity = predict_velocity(model, ...)                           # reference policy = base model
+    save_lora_for_diffusers(model, out_dir)     # every rank; rank 0 writes; FluxPipeline.load_lora_weights(out_dir)
+    save_transformer_for_diffusers(model, None, out_dir)  # full fine-tune: FluxTransformer2DModel.from_pretrained
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from fastvideo import distributed
+from fastvideo.parallel import full_state_dict, named_trainable_parameters, unwrap_model
+
+# The diffusers FLUX DreamBooth-LoRA default: every attention projection of the double-stream blocks (image
+# stream to_q/to_k/to_v/to_out.0, text stream add_q/k/v_proj/to_add_out), the single-stream blocks' attention
+# to_q/to_k/to_v (peft matches name suffixes, so "attn.to_q" covers both block kinds), and both feed-forward
+# networks of the double-stream blocks. Single blocks' proj_mlp/proj_out are left out (as in diffusers).
+DEFAULT_LORA_TARGET_MODULES: list[str] = [
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+]
+
+
+def add_lora(
+    transformer: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: list[str] | None = None,
+    init_seed: int | None = None,
+    adapter_name: str = "default",
+) -> nn.Module:
+    """Add a peft LoRA adapter (``transformer.add_adapter(LoraConfig(...))``) and freeze everything else.
+
+    ``target_modules`` defaults to ``DEFAULT_LORA_TARGET_MODULES``. lora_A gets peft's Kaiming init drawn from a
+    generator seeded with ``init_seed`` (the global RNG when None: then all ranks must share its state); lora_B
+    is zero, so the adapted model starts equal to the base. Adapter weights are created in float32. Call before
+    ``shard_model``. Returns ``transformer`` (modified in place).
+    """
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ValueError(f"--lora_rank must be a positive integer, got {rank}")
+    if alpha <= 0:
+        raise ValueError(f"--lora_alpha must be positive, got {alpha}")
+    if not hasattr(transformer, "add_adapter"):
+        raise ValueError(f"{type(transformer).__name__} has no add_adapter(); add_lora expects an unwrapped diffusers "
+                         "model (call it before shard_model)")
+    targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True)
+    try:
+        if init_seed is None:
+            transformer.add_adapter(config, adapter_name=adapter_name)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(init_seed)
+                transformer.add_adapter(config, adapter_name=adapter_name)
+    except ValueError as err:
+        if "Target modules" in str(err) or "not found" in str(err):
+            raise ValueError(f"--lora_target_modules {targets} matched no layer of {type(transformer).__name__}: "
+                             f"{err}") from err
+        raise
+    for name, param in transformer.named_parameters():
+        is_adapter = f".{adapter_name}." in name and "lora_" in name
+        param.requires_grad_(is_adapter)
+        if is_adapter and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return transformer
+
+
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` without its LoRA adapters (the reference policy) inside the ``with`` block.
+
+    Only flips peft's per-layer switch; unlike ``model.disable_adapters()`` it never touches ``requires_grad``, so
+    it is safe under FSDP1/FSDP2 (use it under ``torch.no_grad()`` for reference passes). Restores the previous
+    state on exit, even on error.
+    """
+    layers = _tuner_layers(model)
+    if not layers:
+        raise ValueError("disable_adapters: the model has no LoRA adapters; for a full fine-tune keep a frozen copy "
+                         "of the base model as the reference instead")
+    previous = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for layer, state in zip(layers, previous):
+            layer._disable_adapters = state
+
+
+def lora_config(model: nn.Module, adapter_name: str = "default") -> Any:
+    """The peft ``LoraConfig`` of ``adapter_name`` on a possibly wrapped model."""
+    configs = getattr(unwrap_model(model), "peft_config", None) or {}
+    if adapter_name not in configs:
+        raise ValueError(f"the model has no LoRA adapter named {adapter_name!r} (adapters: {sorted(configs)}); "
+                         "add one with add_lora")
+    return configs[adapter_name]
+
+
+def lora_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's weights with peft's key format (``...to_q.lora_A.weight``), full CPU tensors on rank 0.
+
+    Same keys and values as ``peft.get_peft_model_state_dict(model, adapter_name=...)`` on the unsharded model (for
+    the plain LoRA that ``add_lora`` creates); sharded weights are gathered first (peft's own function cannot be
+    used on an FSDP1-wrapped model: it matches module names). A collective: call it on every rank; ranks other than
+    0 get ``{}``.
+    """
+    config = lora_config(model, adapter_name)
+    if getattr(config, "use_dora", False) or getattr(config, "bias", "none") != "none":
+        raise ValueError("lora_state_dict supports plain LoRA adapters (no DoRA, bias='none'), as add_lora creates")
+    marker = f".{adapter_name}."
+    adapter_params = [p for n, p in named_trainable_parameters(model) if "lora_" in n and marker in n]
+    all_adapter_trainable = all(
+        p.requires_grad for n, p in unwrap_model(model).named_parameters() if "lora_" in n and marker in n
+    )
+    # Gather only the trainable params when they are exactly this adapter's (the usual case: cheap under FSDP2).
+    sd = full_state_dict(model, trainable_only=bool(adapter_params) and all_adapter_trainable)
+    if not distributed.is_main_process():
+        return {}
+    return {k.replace(marker, "."): v for k, v in sd.items() if ".lora_" in k and marker in k}
+
+
+def save_lora_for_diffusers(
+    state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
+    out_dir: str | Path,
+    *,
+    config: Any = None,
+    adapter_name: str = "default",
+) -> Path:
+    """Write a LoRA folder that stock ``FluxPipeline.load_lora_weights(out_dir)`` loads (via ``save_lora_weights``).
+
+    Pass the (possibly sharded) model, on every rank, or a ``lora_state_dict`` result plus its ``config``
+    (``LoraConfig`` or its dict; stored as adapter metadata so diffusers restores ``lora_alpha``; without it
+    diffusers assumes alpha == rank). Rank 0 writes ``pytorch_lora_weights.safetensors``; returns ``out_dir``.
+    """
+    from diffusers import FluxPipeline
+
+    out_dir = Path(out_dir)
+    if isinstance(state_dict_or_model, nn.Module):
+        config = lora_config(state_dict_or_model, adapter_name) if config is None else config
+        state_dict = lora_state_dict(state_dict_or_model, adapter_name)
+    else:
+        state_dict = state_dict_or_model
+    if not distributed.is_main_process():
+        return out_dir
+    if not state_dict:
+        raise ValueError("save_lora_for_diffusers got an empty LoRA state dict; pass the model or the rank-0 "
+                         "result of lora_state_dict(model)")
+    if any(".lora_" not in k for k in state_dict):
+        raise ValueError("save_lora_for_diffusers expects only LoRA weights (keys with .lora_A/.lora_B); use "
+                         "lora_state_dict(model), or save_transformer_for_diffusers for a full fine-tune")
+    metadata = None
+    if config is None:
+        warnings.warn("save_lora_for_diffusers: no LoraConfig given, so diffusers will load the adapter with "
+                      "lora_alpha == rank; pass config=lora_config(model) (or the model itself) if alpha != rank",
+                      stacklevel=2)
+    else:
+        metadata = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+        metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+    FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers={k: v.contiguous() for k, v in state_dict.items()},
+                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    return out_dir
+
+
+def save_transformer_for_diffusers(
+    state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
+    config: Any,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a full transformer folder loadable by ``FluxTransformer2DModel.from_pretrained(out_dir)``.
+
+    Pass the (possibly sharded) model on every rank (``config=None`` reads its config), or a full state dict (the
+    rank-0 result of ``full_state_dict``) with the model's ``config``. ``dtype`` casts floating weights on export
+    (e.g. ``torch.bfloat16`` halves the size). Rank 0 writes config.json + safetensors; returns ``out_dir``.
+    """
+    from diffusers import FluxTransformer2DModel
+
+    out_dir = Path(out_dir)
+    if isinstance(state_dict_or_model, nn.Module):
+        config = unwrap_model(state_dict_or_model).config if config is None else config
+        state_dict = full_state_dict(state_dict_or_model)
+    else:
+        state_dict = state_dict_or_model
+    if not distributed.is_main_process():
+        return out_dir
+    if config is None:
+        raise ValueError("save_transformer_for_diffusers needs the transformer config when given a state dict; "
+                         "pass unwrap_config(model)")
+    if any(".lora_" in k for k in state_dict):
+        raise ValueError("the transformer has LoRA adapters; export them with save_lora_for_diffusers (a full "
+                         "transformer export expects a model without adapters)")
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -1,0 +1,334 @@
+"""Shard the transformer for training: activation checkpointing -> FSDP per block -> root, in one place.
+
+The trainer builds the model exactly as for a single process (load, optionally ``add_lora``), then calls
+``shard_model`` once and afterwards only uses the helpers below, which accept the sharded model, an
+FSDP1-wrapped model or a plain module alike:
+
+    model = shard_model(model, fsdp_version=2, sharding_strategy="full", mixed_precision="bf16")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=...)
+    with autocast("bf16"):
+        loss = ...model(...)...
+    loss.backward()
+    grad_norm = clip_grad_norm(model, max_norm)          # total norm over all shards (may be inf/nan)
+    sd = full_state_dict(model)                          # rank 0: full CPU tensors, other ranks: {}
+    config = unwrap_config(model)                        # the diffusers config, whatever the wrapping
+
+Choices (each validated up front with a ValueError that names the flag):
+
+- ``fsdp_version`` (``--fsdp_version``): 2 = ``torch.distributed.fsdp.fully_shard`` (per-parameter DTensor
+  sharding; the default), 1 = ``FullyShardedDataParallel`` with ``use_orig_params=True`` (so frozen base weights
+  and LoRA adapters can share a flat parameter, and ``model.named_parameters()`` keeps the original names).
+- ``sharding_strategy`` (``--fsdp_sharding_strategy``):
+  ``full`` shard params, grads and optimizer state over all ranks (ZeRO-3);
+  ``shard_grad_op`` keep parameters gathered between forward and backward (ZeRO-2; FSDP2:
+  ``reshard_after_forward=False``);
+  ``hybrid_full`` shard within a node (``LOCAL_WORLD_SIZE`` ranks, or ``hybrid_shard_size``) and replicate across
+  nodes (2-D mesh ``("replicate", "shard")``);
+  ``no_shard`` replicate everything (DDP-like; FSDP2 uses a ``(world, 1)`` mesh).
+- ``mixed_precision`` (``--mixed_precision``): ``fp32``, or ``bf16`` = bf16 parameters in forward/backward with
+  fp32 master weights, fp32 gradient reduction and fp32 optimizer state. Inputs are not cast by FSDP: run every
+  forward under ``autocast(mixed_precision)`` (also at world size 1, where it is the only bf16 mechanism).
+- ``cpu_offload`` (``--use_cpu_offload``): keep sharded params, grads and optimizer state on the CPU.
+- ``gradient_checkpointing`` (``--gradient_checkpointing``): recompute each transformer block in backward.
+
+World size 1 (no process group, e.g. ``python train.py`` without torchrun) is not a special case for the caller:
+``shard_model`` returns the model itself moved to the job's device (only gradient checkpointing is applied; CPU
+offload and FSDP's bf16 weights are FSDP features and do not apply), and every helper here works on it.
+
+Ranks must build identical models before sharding (same folder, same seeds): nothing is broadcast from rank 0.
+Build the optimizer (and ``EMA``) right after ``shard_model``, before any forward: with ``shard_grad_op`` FSDP2
+leaves the gathered (unsharded) tensors registered after a forward, and an optimizer built then would hold those
+(``reshard(model)`` first if you must).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastvideo import distributed
+
+FSDP_VERSIONS = (1, 2)
+SHARDING_STRATEGIES = ("full", "hybrid_full", "shard_grad_op", "no_shard")
+MIXED_PRECISIONS = ("fp32", "bf16")
+
+# Block classes wrapped as FSDP units when the model does not declare ``_no_split_modules``.
+_DEFAULT_BLOCK_NAMES = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+
+
+def validate_parallel_options(fsdp_version: int, sharding_strategy: str, mixed_precision: str) -> None:
+    """Raise a ValueError naming the flag when a parallelism option is not one we support."""
+    if fsdp_version not in FSDP_VERSIONS:
+        raise ValueError(f"--fsdp_version {fsdp_version!r} is not supported; use 2 (fully_shard, default) or 1 "
+                         "(FullyShardedDataParallel)")
+    if sharding_strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"--fsdp_sharding_strategy {sharding_strategy!r} is not supported; use one of "
+                         f"{', '.join(SHARDING_STRATEGIES)}")
+    if mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"--mixed_precision {mixed_precision!r} is not supported; use one of "
+                         f"{', '.join(MIXED_PRECISIONS)}")
+
+
+def block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The transformer-block classes of ``model`` that become FSDP units (from ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or _DEFAULT_BLOCK_NAMES)
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The block modules of ``model`` in forward order (FluxTransformerBlock, FluxSingleTransformerBlock...)."""
+    classes = block_classes(model)
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def fsdp_version_of(model: nn.Module) -> int:
+    """2 for a ``fully_shard`` model, 1 for a FullyShardedDataParallel wrapper, 0 for a plain module."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return 1
+    if isinstance(model, FSDPModule):
+        return 2
+    return 0
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside ``model`` (FSDP1's ``.module``; FSDP2 and plain modules are returned as is).
+
+    Use it to read ``.config`` or call model methods; parameters of the returned module are still the sharded ones.
+    """
+    inner = getattr(model, "module", None)
+    while fsdp_version_of(model) == 1 and inner is not None:
+        model, inner = inner, getattr(inner, "module", None)
+    return model
+
+
+def unwrap_config(model: nn.Module) -> Any:
+    """The diffusers ``config`` of a possibly wrapped model."""
+    return unwrap_model(model).config
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block in backward (diffusers' own non-reentrant checkpoint when available)."""
+    if getattr(model, "_supports_gradient_checkpointing", False) and hasattr(model, "enable_gradient_checkpointing"):
+        # Keeps module names and the model's structure unchanged (state-dict keys, peft, EMA names); the
+        # checkpointed call is the block's __call__, so FSDP's per-block hooks run inside the recomputation,
+        # which both FSDP versions support.
+        model.enable_gradient_checkpointing()
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    classes = block_classes(model)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, classes))
+
+
+def _hybrid_shape(world: int, hybrid_shard_size: int | None) -> tuple[int, int]:
+    shard = hybrid_shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if shard < 1 or world % shard:
+        raise ValueError(f"--fsdp_sharding_strategy hybrid_full needs the world size ({world}) to be a multiple of "
+                         f"the shard group size ({shard}); set hybrid_shard_size to a divisor of the world size")
+    return world // shard, shard
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    fsdp_version: int = 2,
+    sharding_strategy: str = "full",
+    mixed_precision: str = "fp32",
+    cpu_offload: bool = False,
+    gradient_checkpointing: bool = False,
+    hybrid_shard_size: int | None = None,
+) -> nn.Module:
+    """Apply activation checkpointing, then FSDP to every transformer block, then FSDP to the root.
+
+    Returns the model to train, on ``distributed.info().device``: the same object for FSDP2 and world size 1, a
+    ``FullyShardedDataParallel`` wrapper for FSDP1 (use ``unwrap_model`` to reach ``.config``). Pass the model on
+    the CPU: FSDP moves one block at a time to the accelerator while sharding (``model.to("cuda")`` first would
+    materialise the whole model on every GPU). Call it once, after ``add_lora`` (adapters must exist before
+    sharding) and before building the optimizer (which must see the sharded parameters).
+    ``hybrid_shard_size`` overrides the shard-group size of ``hybrid_full`` (default: ranks per node).
+    """
+    validate_parallel_options(fsdp_version, sharding_strategy, mixed_precision)
+    if gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    device = distributed.info().device
+    if not distributed.is_distributed():
+        return model.to(device)
+    world = distributed.get_world_size()
+    if not transformer_blocks(model):
+        raise ValueError(f"{type(model).__name__} has no transformer blocks to shard (looked for "
+                         f"{getattr(model, '_no_split_modules', None) or _DEFAULT_BLOCK_NAMES}); shard_model expects "
+                         "a FluxTransformer2DModel-like model")
+    if fsdp_version == 2:
+        return _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
+    return _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
+
+
+def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if sharding_strategy == "hybrid_full":
+        mesh = distributed.device_mesh(_hybrid_shape(world, hybrid_shard_size), ("replicate", "shard"))
+    elif sharding_strategy == "no_shard":
+        mesh = distributed.device_mesh((world, 1), ("replicate", "shard"))
+    else:
+        mesh = distributed.device_mesh()
+    if mixed_precision == "bf16":
+        # Inputs are not cast: the caller's ``autocast`` decides (timesteps stay float32, as at world size 1).
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    else:
+        mp = MixedPrecisionPolicy()
+    # Pinned host memory needs an accelerator; on a CPU-only job offloading is a no-op move anyway.
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
+    reshard = sharding_strategy != "shard_grad_op"
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    # fully_shard moves each unit's states to the mesh device as it shards them (peak: one block unsharded on the
+    # accelerator), so the model can arrive on the CPU.
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size):
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    strategy = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+                "no_shard": ShardingStrategy.NO_SHARD, "hybrid_full": ShardingStrategy.HYBRID_SHARD}[sharding_strategy]
+    kwargs: dict[str, Any] = {}
+    if sharding_strategy == "hybrid_full":
+        shape = _hybrid_shape(world, hybrid_shard_size)
+        if shape[1] == 1:
+            # FSDP1's HYBRID_SHARD with one rank per shard group skips the cross-replica gradient all-reduce
+            # (measured: wrong gradients); replicating everything is exactly what this layout means.
+            strategy = ShardingStrategy.NO_SHARD
+        else:
+            kwargs["device_mesh"] = distributed.device_mesh(shape, ("replicate", "shard"))
+    flags = {p.requires_grad for p in model.parameters()}
+    if strategy == ShardingStrategy.NO_SHARD and flags == {True, False}:
+        # Measured on torch 2.14: when training, NO_SHARD unregisters a fully frozen flat parameter's original
+        # params (the root's under LoRA) after the first forward/backward, so they vanish from named_parameters()
+        # and state dicts. Entirely frozen models (a reference copy) are fine.
+        raise ValueError("--fsdp_version 1 with --fsdp_sharding_strategy no_shard (or hybrid_full with one rank "
+                         "per shard group) does not work with frozen parameters (LoRA); use --fsdp_version 2")
+    mp = None
+    if mixed_precision == "bf16":
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32,
+                            cast_forward_inputs=False, cast_root_forward_inputs=False)
+    return FSDP(
+        model,
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy(set(block_classes(model))),
+        mixed_precision=mp,
+        # FSDP1 pins offloaded params, which needs an accelerator; on a CPU-only job they are on the CPU anyway.
+        cpu_offload=CPUOffload(offload_params=cpu_offload and device.type != "cpu"),
+        device_id=device,
+        use_orig_params=True,
+        limit_all_gathers=True,
+        **kwargs,
+    )
+
+
+def autocast(mixed_precision: str, device: torch.device | str | None = None):
+    """The context to run every forward in: ``torch.autocast(bfloat16)`` for "bf16", a null context for "fp32".
+
+    FSDP's bf16 policy gives bf16 compute copies of the weights but leaves inputs alone, so the same autocast
+    context serves world size 1 (no FSDP) and N, and both compute the same thing (e.g. float32 timesteps).
+    """
+    validate_parallel_options(2, "full", mixed_precision)
+    if mixed_precision == "fp32":
+        return nullcontext()
+    device_type = torch.device(device).type if device is not None else distributed.info().device.type
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free gathered parameters left by a forward without backward (FSDP2 ``shard_grad_op``); no-op otherwise.
+
+    Needed before code that edits the sharded parameters in place (EMA swap, loading weights) after a no-grad
+    forward under ``reshard_after_forward=False``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
+    """Clip gradients to ``max_norm`` by their total norm over all shards; return that norm (may be inf/nan).
+
+    Correct for FSDP2 (DTensor gradients: the norm is reduced across the mesh), FSDP1 (its own collective
+    ``clip_grad_norm_``) and plain modules. A non-finite norm leaves the gradients non-finite: skip that update.
+    Must be called on every rank.
+    """
+    version = fsdp_version_of(model)
+    if version == 1:
+        return float(model.clip_grad_norm_(max_norm, norm_type))
+    if version == 2:
+        reshard(model)  # a no-grad forward since backward would leave gathered, grad-less params registered
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's complete (unsharded) state dict as CPU tensors on rank 0, ``{}`` on the other ranks.
+
+    Keys are the original module names (no FSDP/checkpoint-wrapper prefixes). ``trainable_only`` drops parameters
+    with ``requires_grad=False`` (e.g. the frozen base under LoRA; FSDP2 then never gathers them). A collective:
+    call it on every rank. The returned tensors are copies (safe to keep while training continues).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    version = fsdp_version_of(model)
+    frozen = {name for name, p in _clean_named_parameters(model) if not p.requires_grad} if trainable_only else set()
+    if version == 0:
+        if not distributed.is_main_process():
+            return {}
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k not in frozen}
+    if version == 2:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        sd = get_model_state_dict(model, options=options)
+    else:
+        # FSDP1: (a) its rank-0 CPU-offload gather is known to segfault when the parameters live on the CPU, so
+        # there every rank gathers (the tensors are on the CPU already) and only rank 0 keeps them; (b)
+        # ignore_frozen_params + cpu_offload raises KeyError on ranks > 0 (torch bug), so frozen params are
+        # gathered (FSDP1 gathers whole flat params anyway) and filtered here.
+        on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu))
+    if not distributed.is_main_process():
+        return {}
+    return {k: v.detach().to("cpu", copy=True) for k, v in sd.items() if k not in frozen}
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without FSDP1/checkpoint-wrapper/compile prefixes (matches state-dict keys)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _clean_named_parameters(model: nn.Module):
+    for name, p in model.named_parameters():
+        yield clean_name(name), p
+
+
+def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(clean name, parameter)`` for every parameter with ``requires_grad`` (local shards under FSDP)."""
+    return [(n, p) for n, p in _clean_named_parameters(model) if p.requires_grad]
