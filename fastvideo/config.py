@@ -115,7 +115,10 @@ class RewardOptions:
     clip_checkpoint: str | None = opt(None, "open_clip checkpoint for the clipscore reward")
     clip_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for clipscore")
     aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
-    aesthetic_clip_checkpoint: str | None = opt(None, "open_clip ViT-L/14 checkpoint for the aesthetic reward")
+    aesthetic_clip_checkpoint: str | None = opt(
+        None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
+    aesthetic_clip_model: str = opt("ViT-L-14-quickgelu", "open_clip architecture of --aesthetic_clip_checkpoint "
+                                                          "(when it is an open_clip file)")
 
 
 @dataclass

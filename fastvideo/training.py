@@ -1,0 +1,163 @@
+"""Scaffolding the trainers share: policy + reference + EMA, optimizer and schedule, resume, export.
+
+Each trainer script keeps only its algorithm; everything about *how* a transformer is loaded,
+adapted, sharded, checkpointed and exported lives here (and in parallel.py / checkpoint.py / lora.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from fastvideo import checkpoint as ckpt
+from fastvideo import distributed as D
+from fastvideo import flux, lora, parallel
+
+
+def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype for model calls: bf16, or None for fp32 ('auto' = bf16 on GPU/NPU, fp32 on CPU)."""
+    if mixed_precision == "auto":
+        mixed_precision = "fp32" if device.type == "cpu" else "bf16"
+    return torch.bfloat16 if mixed_precision == "bf16" else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` for ``dtype`` or a no-op context for full precision."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class Policy:
+    """The trained transformer (sharded), how to reach the reference policy, and the EMA."""
+
+    model: torch.nn.Module
+    is_lora: bool
+    frozen_ref: torch.nn.Module | None
+    ema: Any | None
+    config: dict
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: LoRA adapters disabled, or the frozen copy of the base weights."""
+        if self.is_lora:
+            with lora.disable_adapters(self.model):
+                yield self.model
+        else:
+            assert self.frozen_ref is not None, "full fine-tune reference requested but none was kept"
+            yield self.frozen_ref
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build_policy(args: argparse.Namespace, device: torch.device, *, need_reference: bool) -> Policy:
+    """Load the transformer, add LoRA (rank > 0) or train it whole, keep a reference if needed, shard, EMA.
+
+    Build the optimizer right after this (FSDP2 swaps parameters for DTensors here).
+    """
+    transformer = flux.load_transformer(args.pretrained_model_name_or_path, dtype=torch.float32, device="cpu")
+    config = dict(transformer.config)
+    is_lora = args.lora_rank > 0
+    frozen_ref = None
+    if is_lora:
+        lora.add_lora(transformer, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
+                      target_modules=args.lora_target_modules, init_seed=args.seed)
+    elif need_reference:
+        frozen_ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+    transformer.train()
+    shard_kwargs = dict(fsdp_version=args.fsdp_version, sharding_strategy=args.fsdp_sharding_strategy,
+                        mixed_precision=_fsdp_precision(args.mixed_precision, device),
+                        cpu_offload=args.use_cpu_offload)
+    # shard_model moves the (CPU) model to the device block by block; never materialise it whole per GPU
+    transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
+                                       **shard_kwargs)
+    if frozen_ref is not None:
+        frozen_ref = parallel.shard_model(frozen_ref, gradient_checkpointing=False, **shard_kwargs)
+    ema = ckpt.EMA(transformer, decay=args.ema_decay) if args.use_ema else None
+    return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config)
+
+
+def _fsdp_precision(mixed_precision: str, device: torch.device) -> str:
+    return "bf16" if compute_dtype(mixed_precision, device) == torch.bfloat16 else "fp32"
+
+
+def build_optimizer(policy: Policy, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only (LoRA adapters, or the whole transformer)."""
+    params = policy.trainable_parameters()
+    if not params:
+        raise ValueError("no trainable parameters: check --lora_rank / --lora_target_modules")
+    return torch.optim.AdamW(params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, weight_decay=args.weight_decay)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace, total_optimizer_steps: int):
+    """constant_with_warmup | cosine | constant, stepped once per optimizer step."""
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
+                         num_training_steps=total_optimizer_steps)
+
+
+def resolve_resume(args: argparse.Namespace) -> Path | None:
+    """The checkpoint folder to resume from, or None for a fresh run ('latest' with none is a fresh run)."""
+    if args.resume_from is None:
+        return None
+    if args.resume_from == "latest":
+        found = ckpt.latest_checkpoint(args.output_dir)
+        if found is None and D.is_main_process():
+            print(f"--resume_from latest: no checkpoint in {args.output_dir}/checkpoints yet; starting fresh")
+        return found
+    return Path(args.resume_from)
+
+
+def check_resume_config(args: argparse.Namespace, saved: dict | None) -> None:
+    """Refuse to resume a checkpoint made with different run-defining flags (a silent mismatch loses work)."""
+    if not saved:
+        return
+    keys = ("pretrained_model_name_or_path", "lora_rank", "num_generations", "prompts_per_step",
+            "sampling_steps", "sde_type", "seed", "train_batch_size")
+    diffs = {k: (saved.get(k), getattr(args, k)) for k in keys if k in saved and saved.get(k) != getattr(args, k)}
+    if diffs:
+        text = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
+        raise ValueError(f"cannot resume: flags differ from the checkpoint's run ({text}); use the original "
+                         "values or a new --output_dir")
+
+
+def save_state(args: argparse.Namespace, step: int, policy: Policy, optimizer, lr_scheduler, extra: dict) -> Path:
+    """Write OUT/checkpoints/step-N atomically and prune old ones."""
+    path = Path(args.output_dir) / "checkpoints" / f"step-{step}"
+    ckpt.save_checkpoint(path, model=policy.model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         extra=extra, ema=policy.ema)
+    if args.checkpoints_total_limit:
+        ckpt.prune_checkpoints(args.output_dir, args.checkpoints_total_limit)
+    return path
+
+
+def load_state(path: Path, policy: Policy, optimizer, lr_scheduler) -> dict:
+    """Restore model/adapters, optimizer, LR schedule and EMA from ``path``; returns the saved extras."""
+    return ckpt.load_checkpoint(path, model=policy.model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                ema=policy.ema)
+
+
+def export_final(args: argparse.Namespace, policy: Policy) -> Path:
+    """OUT/final: a diffusers LoRA (FluxPipeline.load_lora_weights) or a full transformer folder
+    (FluxTransformer2DModel.from_pretrained); the EMA weights when --use_ema."""
+    out = Path(args.output_dir) / "final"
+    swap = policy.ema.swap_into(policy.model) if policy.ema is not None else contextlib.nullcontext()
+    with swap:
+        if policy.is_lora:  # collective: every rank gathers, rank 0 writes (with lora_alpha as metadata)
+            lora.save_lora_for_diffusers(policy.model, out)
+        else:
+            lora.save_transformer_for_diffusers(policy.model, policy.config, out)
+    D.barrier()
+    if D.is_main_process():
+        (out / "training_args.json").write_text(json.dumps(vars(args), indent=2, default=str) + "\n")
+    return out

@@ -1,0 +1,159 @@
+"""End-to-end GRPO runs on the tiny preset under torchrun (2 ranks, gloo, CPU)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, run_torchrun
+
+from fastvideo.logging import read_metrics
+
+# Keys whose values are wall-clock or memory readings: they legitimately differ between runs.
+TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb")
+
+
+def common_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train_grpo_flux.py", "--pretrained_model_name_or_path", str(model), "--data_json_path", str(data),
+            "--output_dir", str(out), "--device", "cpu", "--h", "64", "--w", "64", "--sampling_steps", "4",
+            "--num_generations", "4", "--prompts_per_step", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "2", "--timestep_fraction", "0.7", "--reward", "jpeg_compressibility:1.0",
+            "--learning_rate", "1e-3", "--sample_every", "2", "--seed", "3", "--no-progress_bar", *extra]
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
+    """Embeddings of 16 prompts of assets/prompts.txt for the tiny model."""
+    out = tmp_path_factory.mktemp("emb")
+    prompts = out / "prompts.txt"
+    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:16]) + "\n")
+    subprocess.run([sys.executable, str(REPO / "preprocess_embeddings.py"), "--model_path", str(tiny_flux_dir),
+                    "--prompt_file", str(prompts), "--output_dir", str(out / "emb"), "--max_sequence_length", "32",
+                    "--device", "cpu"], check=True, cwd=REPO, capture_output=True)
+    return out / "emb" / "manifest.json"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
+    """4 LoRA steps on 2 ranks with a checkpoint every 2 steps."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, "--max_train_steps", "4", "--checkpointing_steps", "2",
+                             "--lora_rank", "4", "--learning_rate", "3e-2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_runs(tiny_flux_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """2 full-fine-tune steps with KL and EMA under FSDP2 and FSDP1 (2 ranks), and 1 rank without FSDP."""
+    base = tmp_path_factory.mktemp("full")
+    flags = ("--max_train_steps", "2", "--kl_beta", "0.04", "--use_ema", "--ema_decay", "0.9")
+    runs = {"fsdp2": base / "fsdp2", "fsdp1": base / "fsdp1", "single": base / "single"}
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp2"], *flags, "--fsdp_version", "2"))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp1"], *flags, "--fsdp_version", "1"))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["single"], *flags), nproc=1)
+    return runs
+
+
+def test_short_run_writes_every_metric(lora_run):
+    rows = read_metrics(lora_run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    required = {"reward_mean", "reward_std", "reward_jpeg_compressibility", "adv_mean", "adv_std", "adv_abs_max",
+                "zero_std_group_frac", "loss", "ratio_mean", "ratio_min", "ratio_max", "ratio_first_update",
+                "clipfrac", "approx_kl", "kl", "grad_norm", "skipped_updates", "lr", "time_rollout", "time_decode",
+                "time_reward", "time_train", "samples_per_s", "peak_memory_gb"}
+    for row in rows:
+        missing = required - row.keys()
+        assert not missing, f"metrics missing {missing}"
+        for key, value in row.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), f"{key} is {value} at step {row['step']}"
+        # on-policy check: the first update after a rollout replays the rollout policy exactly
+        assert abs(row["ratio_first_update"] - 1.0) < 1e-5
+        assert row["ratio_first_update_max_dev"] < 1e-5
+        assert row["skipped_updates"] == 0
+    assert rows[-1]["ratio_max"] > 1.0 + 1e-7 or rows[-1]["ratio_min"] < 1.0 - 1e-7, "later updates moved the policy"
+    config = json.loads((lora_run / "config.json").read_text())
+    assert Path(config["pretrained_model_name_or_path"]).name == "model"
+    assert config["lora_rank"] == 4
+    assert sorted(p.name for p in (lora_run / "samples").glob("*.png")) == ["step-000001.png", "step-000002.png",
+                                                                             "step-000004.png"]
+    assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
+def test_resume_continues_exactly(lora_run, tiny_flux_dir, tiny_data, tmp_path):
+    # Simulate preemption after step 2: keep only the step-2 checkpoint and the log written so far.
+    out = tmp_path / "run"
+    shutil.copytree(lora_run, out)
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    shutil.rmtree(out / "final")
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, "--max_train_steps", "4", "--checkpointing_steps", "2",
+                             "--lora_rank", "4", "--learning_rate", "3e-2", "--resume_from", "latest"))
+    straight = read_metrics(lora_run / "metrics.jsonl")
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert comparable(a) == comparable(b)
+
+
+def test_lora_export_loads_in_stock_pipeline(lora_run, tiny_flux_dir):
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+    kwargs = dict(prompt="a red cube on a table", height=64, width=64, num_inference_steps=3, output_type="pt",
+                  max_sequence_length=32)
+    base = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    pipe.load_lora_weights(lora_run / "final")
+    tuned = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+    assert torch.isfinite(tuned).all()
+    assert (tuned - base).abs().max() > 1e-4, "the trained LoRA does not change the pipeline's output"
+
+
+def test_full_finetune_export_loads(full_runs):
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(full_runs["fsdp2"] / "final", local_files_only=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    rows = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9), "policy equals the reference before any update"
+    assert rows[1]["kl"] > 0, "after one update the policy differs from the frozen reference"
+
+
+def test_world_size_does_not_change_rewards(full_runs):
+    two = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")[0]
+    one = read_metrics(full_runs["single"] / "metrics.jsonl")[0]
+    for key in ("reward_mean", "reward_std", "reward_jpeg_compressibility"):
+        assert one[key] == pytest.approx(two[key], rel=1e-6, abs=1e-7), key
+
+
+def test_fsdp1_and_fsdp2_agree(full_runs):
+    a = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
+    b = read_metrics(full_runs["fsdp1"] / "metrics.jsonl")
+    for ra, rb in zip(a, b):
+        for key in ("reward_mean", "loss", "grad_norm", "ratio_mean", "kl"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+
+
+def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):
+    def run(*extra: str) -> str:
+        proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, tmp_path / "bad", *extra)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        return proc.stderr
+
+    assert "--num_generations" in run("--num_generations", "1")
+    assert "--train_batch_size" in run("--num_generations", "3", "--prompts_per_step", "1")
+    assert "--pretrained_model_name_or_path" in run("--pretrained_model_name_or_path", str(tmp_path / "nope"))
+    assert "preprocess_embeddings.py" in run("--data_json_path", str(tmp_path / "nothing"))
+    assert "jpeg_compresibility" in run("--reward", "jpeg_compresibility:1")
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
