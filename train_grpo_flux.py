@@ -28,17 +28,30 @@ from fastvideo.seeding import NoiseSource, rng_state, seed_all, set_deterministi
 
 REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscore_processor", "clip_checkpoint",
                      "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model")
+# On-policy check: at the first update the policy is the rollout policy, so the ratio is 1 up to float noise
+# (~1e-7 fp32 CPU, ~1e-5 bf16 GPU); a larger gap is a bug worth shouting about.
+RATIO_WARN = 1e-3
 
 
 def main(argv: list[str] | None = None) -> None:
-    # ---- setup: flags first, before anything expensive -------------------------------------------
+    # ---- setup: flags and inputs first, before anything expensive -------------------------------
     args = parse_grpo_args(argv)
     dist = D.init_distributed(args.device)
     counts = validate_grpo(args, dist.world_size)
     parse_reward_spec(args.reward)
+    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
     dataset = EmbeddingDataset(args.data_json_path)
+    dataset.check_encoders(args.pretrained_model_name_or_path)
+    sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
+                           rank=dist.rank, world_size=dist.world_size)
+    rollout_cfg = RolloutConfig(height=args.h, width=args.w, sampling_steps=args.sampling_steps,
+                                sde_type=args.sde_type, eta=args.eta, shift=args.shift,
+                                guidance=args.guidance_scale, sde_window_size=args.sde_window_size,
+                                sde_window_range=tuple(args.sde_window_range), init_same_noise=args.init_same_noise,
+                                decode_x0=args.decode_x0, batch_size=args.rollout_batch_size)
     seed_all(args.seed)
     set_deterministic(args.deterministic)
+    noise = NoiseSource(args.seed, device=args.noise_device)
     device, main_rank = dist.device, dist.is_main
     amp_dtype = training.compute_dtype(args.mixed_precision, device)
     out = Path(args.output_dir)
@@ -46,22 +59,13 @@ def main(argv: list[str] | None = None) -> None:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
         save_config(args, out / "config.json")
 
-    # ---- models, optimizer, data -----------------------------------------------------------------
+    # ---- models, reward, optimizer ---------------------------------------------------------------
     policy = training.build_policy(args, device, need_reference=args.kl_beta > 0)
-    vae = flux.load_vae(args.pretrained_model_name_or_path, device=device)
-    geometry = flux.latent_geometry(vae, args.h, args.w)
-    reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
-    optimizer = training.build_optimizer(policy, args)
+    optimizer = training.build_optimizer(policy, args)  # right after sharding (FSDP2 swaps in DTensors)
     lr_scheduler = training.build_lr_scheduler(optimizer, args,
                                                args.max_train_steps * counts["optimizer_steps_per_rollout"])
-    sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
-                           rank=dist.rank, world_size=dist.world_size)
-    noise = NoiseSource(args.seed, device=args.noise_device)
-    rollout_cfg = RolloutConfig(height=args.h, width=args.w, sampling_steps=args.sampling_steps,
-                                sde_type=args.sde_type, eta=args.eta, shift=args.shift,
-                                guidance=args.guidance_scale, sde_window_size=args.sde_window_size,
-                                sde_window_range=tuple(args.sde_window_range), init_same_noise=args.init_same_noise,
-                                decode_x0=args.decode_x0, batch_size=args.rollout_batch_size)
+    vae = flux.load_vae(args.pretrained_model_name_or_path, device=device)
+    reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
 
     # ---- resume ----------------------------------------------------------------------------------
     start_step, skipped_updates = 0, 0
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"resumed from {resume_dir} at step {start_step}", flush=True)
     logger = MetricsLogger(out, enabled=main_rank, sinks=args.log_to, config=vars(args),
                            wandb_project=args.wandb_project, resume_step=start_step if resume_dir else None)
+    warned_ratio = False
     bar = progress_bar(args.max_train_steps, start_step, enabled=main_rank and args.progress_bar)
 
     for step in range(start_step + 1, args.max_train_steps + 1):
@@ -172,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
             "peak_memory_gb": D.all_reduce_max(peak_memory_gb(device)),
         }
         logger.log(step, metrics)
+        if main_rank and float(metrics["ratio_first_update_max_dev"]) > RATIO_WARN and not warned_ratio:
+            warned_ratio = True
+            print(f"warning: step {step}: the ratio at the first update after the rollout is off by "
+                  f"{float(metrics['ratio_first_update_max_dev']):.2e} (expected ~0): the replay does not match the "
+                  "rollout (dtype, batch composition or dropout differ)", flush=True)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{float(metrics['ratio_mean']):.6f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1) and main_rank:
