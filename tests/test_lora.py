@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dist_scripts.sharding_common import randomize_lora_b
 from fastvideo.lora import (DEFAULT_LORA_TARGET_MODULES, add_lora, disable_adapters, lora_config, lora_state_dict,
                             save_lora_for_diffusers, save_transformer_for_diffusers)
 
@@ -15,14 +16,6 @@ def load_transformer(model_dir):
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel.from_pretrained(model_dir / "transformer", local_files_only=True)
-
-
-def randomize_lora_b(model, seed: int = 1, scale: float = 0.05) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def inputs(config, batch: int = 2, tokens: int = 16, text: int = 8) -> dict:

@@ -18,13 +18,19 @@ DEFAULT_MODEL = "ViT-H-14"
 
 
 class ClipScorer:
-    """cos(image, prompt) under an open_clip model; loaded once, eval, no grad, on ``device``."""
+    """cos(image, prompt) under an open_clip model; loaded once, eval, no grad, on ``device``.
+
+    Subclasses change the preprocessing (``pad``) and the flags named in load errors (``flags``).
+    """
+
+    pad = False  # CLIP's eval transform crops the longer side; HPS v2 pads to square instead
+    flags = ("--clip_model", "--clip_checkpoint", "clipscore")  # model flag, checkpoint flag, reward name
 
     def __init__(self, checkpoint: str | Path, model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
+        model_flag, checkpoint_flag, reward = self.flags
         self.model, self.tokenizer, self.preprocess = load_open_clip(
-            model, checkpoint, self.device, model_flag="--clip_model", checkpoint_flag="--clip_checkpoint",
-            reward="clipscore")
+            model, checkpoint, self.device, model_flag=model_flag, checkpoint_flag=checkpoint_flag, reward=reward)
 
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         return self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
@@ -33,9 +39,9 @@ class ClipScorer:
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """(B,3,H,W) in [0,1] + B prompts -> (B,) float32 cosine similarities on ``device``."""
         p = self.preprocess
-        pixels = clip_pixels(images.to(self.device), p["size"], p["mean"], p["std"], pad=False)
-        image_features = self.model.encode_image(pixels, normalize=True)
-        return (image_features.float() * encode_unique(prompts, self._encode_text)).sum(dim=-1)
+        pixels = clip_pixels(images.to(self.device), p["size"], p["mean"], p["std"], pad=self.pad)
+        image_features = self.model.encode_image(pixels, normalize=True).float()  # (B, D)
+        return (image_features * encode_unique(prompts, self._encode_text)).sum(dim=-1)
 
 
 def build(device: torch.device, *, clip_checkpoint: str | None = None, clip_model: str = DEFAULT_MODEL,

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from ._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_pixels, encode_unique, load_open_clip, require_path
+from ._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, clip_pixels, require_path
+from .clipscore import ClipScorer
 
 DEFAULT_MODEL = "ViT-H-14"
 TINY_CHECKPOINT = "hps-tiny.pt"
@@ -37,27 +38,11 @@ def hps_preprocess(images: torch.Tensor, size: int = 224, mean: Sequence[float] 
     return clip_pixels(images, size, mean, std, pad=True)
 
 
-class HPSv2Scorer:
-    """Scores (images, prompts) with an HPS v2 checkpoint; loaded once, eval, no grad, on ``device``."""
+class HPSv2Scorer(ClipScorer):
+    """Scores (images, prompts) with an HPS v2 checkpoint: CLIP cosine with HPS's padding preprocessing."""
 
-    def __init__(self, checkpoint: str | Path, model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"):
-        self.device = torch.device(device)
-        self.model, self.tokenizer, self.preprocess = load_open_clip(
-            model, checkpoint, self.device, model_flag="--hps_model", checkpoint_flag="--hps_checkpoint",
-            reward="hpsv2")
-
-    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
-        tokens = self.tokenizer(prompts).to(self.device)
-        return self.model.encode_text(tokens, normalize=True).float()
-
-    @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """(B,3,H,W) in [0,1] + B prompts -> (B,) float32 cosine similarities on ``device``."""
-        p = self.preprocess
-        pixels = hps_preprocess(images.to(self.device), p["size"], p["mean"], p["std"])
-        image_features = self.model.encode_image(pixels, normalize=True).float()  # (B, D)
-        text_features = encode_unique(prompts, self._encode_text)  # (B, D)
-        return (image_features * text_features).sum(dim=-1)
+    pad = True
+    flags = ("--hps_model", "--hps_checkpoint", "hpsv2")
 
 
 def build(device: torch.device, *, hps_checkpoint: str | None = None, hps_model: str = DEFAULT_MODEL,
