@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{float(metrics['ratio_first_update_max_dev']):.2e} (expected ~0): the replay does not match the "
                   "rollout (dtype, batch composition or dropout differ)", flush=True)
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{float(metrics['ratio_mean']):.6f}")
+        bar.set_postfix(reward=f"{float(metrics['reward_mean']):.5g}", ratio=f"{float(metrics['ratio_mean']):.6f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1) and main_rank:
             save_image_grid(traj.images, out / "samples" / f"step-{step:06d}.png")
         if step % args.checkpointing_steps == 0 or step == args.max_train_steps:

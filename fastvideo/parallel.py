@@ -50,6 +50,8 @@ import torch
 from torch import nn
 
 from fastvideo import distributed
+from fastvideo.flux import model_config as unwrap_config  # noqa: F401  (re-exported: config through wrappers)
+from fastvideo.flux import unwrap_model
 
 FSDP_VERSIONS = (1, 2)
 SHARDING_STRATEGIES = ("full", "hybrid_full", "shard_grad_op", "no_shard")
@@ -93,22 +95,6 @@ def fsdp_version_of(model: nn.Module) -> int:
     if isinstance(model, FSDPModule):
         return 2
     return 0
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside ``model`` (FSDP1's ``.module``; FSDP2 and plain modules are returned as is).
-
-    Use it to read ``.config`` or call model methods; parameters of the returned module are still the sharded ones.
-    """
-    inner = getattr(model, "module", None)
-    while fsdp_version_of(model) == 1 and inner is not None:
-        model, inner = inner, getattr(inner, "module", None)
-    return model
-
-
-def unwrap_config(model: nn.Module) -> Any:
-    """The diffusers ``config`` of a possibly wrapped model."""
-    return unwrap_model(model).config
 
 
 def _enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -27,13 +27,6 @@ def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | N
     return torch.bfloat16 if mixed_precision == "bf16" else None
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """``torch.autocast`` for ``dtype`` or a no-op context for full precision."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 @dataclass
 class Policy:
     """The trained transformer (sharded), how to reach the reference policy, and the EMA."""
