@@ -3,7 +3,8 @@
 #   MODEL_PATH=/models/FLUX.1-dev PROMPT_FILE=prompts.txt DATA_DIR=data bash scripts/preprocess_flux_embeddings.sh [extra flags]
 # Without MODEL_PATH it builds the tiny FLUX folder in $DATA_DIR/tiny-flux and encodes assets/prompts.txt.
 # Env: MODEL_PATH, PROMPT_FILE (assets/prompts.txt), DATA_DIR (data), DATA_JSON (output manifest path),
-#      NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python). Extra args go to the script.
+#      NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python),
+#      MAX_SEQUENCE_LENGTH (tiny default only: 64). Extra args go to the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}

@@ -54,11 +54,14 @@ def lora_run(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def full_runs(tiny_flux_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """2 full-fine-tune steps with KL and EMA under FSDP2 and FSDP1 (2 ranks), and 1 rank without FSDP."""
+    """2 full-fine-tune steps with KL and EMA under FSDP2 (+ checkpointing, offload) and FSDP1 (2 ranks), and
+    1 rank without FSDP."""
     base = tmp_path_factory.mktemp("full")
     flags = ("--max_train_steps", "2", "--kl_beta", "0.04", "--use_ema", "--ema_decay", "0.9")
     runs = {"fsdp2": base / "fsdp2", "fsdp1": base / "fsdp1", "single": base / "single"}
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp2"], *flags, "--fsdp_version", "2"))
+    # the FSDP2 run also recomputes blocks in backward and offloads to the CPU: neither may change the numbers
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp2"], *flags, "--fsdp_version", "2",
+                             "--gradient_checkpointing", "--use_cpu_offload"))
     run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp1"], *flags, "--fsdp_version", "1"))
     run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["single"], *flags), nproc=1)
     return runs
