@@ -1,10 +1,10 @@
-"""Rollout throughput: batched micro-batches vs DanceGRPO's one-sample-at-a-time loop, in one run.
+"""Rollout throughput: batched micro-batches vs DanceGRPO's one-sample-at-a-time loop, and bf16 autocast.
 
     python benchmarks/bench_rollout.py --preset bench --samples 8 --steps 4
 
-Builds the preset in a temp dir, encodes a few prompts, then times ``rollout`` with
-``batch_size=1`` and ``batch_size=samples`` (alternating, best of ``--repeats``) and prints the ratio.
-Absolute times drift on a shared machine; the ratio measured in one run is what to compare.
+Builds the preset in a temp dir, encodes a few prompts, then times ``rollout`` with ``batch_size=1``,
+``batch_size=samples`` and ``batch_size=samples`` under bf16 autocast (interleaved, best of ``--repeats``)
+and prints the ratios. Absolute times drift on a shared machine; ratios measured in one run are what to compare.
 """
 from __future__ import annotations
 
@@ -42,17 +42,21 @@ def main() -> None:
     batch = {"prompt_ids": torch.arange(args.samples), "prompts": prompts, "prompt_embeds": embeds,
              "pooled_prompt_embeds": pooled}
     noise = NoiseSource(0)
-    best = {}
+    settings = {"per-sample fp32": (1, None), "batched fp32": (args.samples, None),
+                "batched bf16": (args.samples, torch.bfloat16)}
+    best = dict.fromkeys(settings, float("inf"))
     for _ in range(args.repeats):
-        for bs in (1, args.samples):
+        for name, (bs, dtype) in settings.items():
             cfg = RolloutConfig(height=preset.height, width=preset.width, sampling_steps=args.steps,
                                 eta=0.9, batch_size=bs)
             t0 = time.perf_counter()
-            rollout(transformer, vae, batch, [0] * args.samples, 1, cfg, noise, geometry, device="cpu")
-            best[bs] = min(best.get(bs, float("inf")), time.perf_counter() - t0)
-    per_sample, batched = best[1], best[args.samples]
-    print(f"preset={args.preset} samples={args.samples} steps={args.steps} threads={torch.get_num_threads()}")
-    print(f"per-sample loop: {per_sample:.3f} s   batched: {batched:.3f} s   speed-up: {per_sample / batched:.2f}x")
+            rollout(transformer, vae, batch, [0] * args.samples, 1, cfg, noise, geometry, device="cpu",
+                    autocast_dtype=dtype)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    print(f"preset={args.preset} samples={args.samples} steps={args.steps} T={args.max_sequence_length} "
+          f"threads={torch.get_num_threads()}")
+    base = best["per-sample fp32"]
+    print("   ".join(f"{name}: {t:.3f} s ({base / t:.2f}x)" for name, t in best.items()))
 
 
 if __name__ == "__main__":
