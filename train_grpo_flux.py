@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
                                 guidance=args.guidance_scale, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range), init_same_noise=args.init_same_noise,
                                 decode_x0=args.decode_x0, batch_size=args.rollout_batch_size)
+    resume_dir = training.resolve_resume(args)
     seed_all(args.seed)
     set_deterministic(args.deterministic)
     noise = NoiseSource(args.seed, device=args.noise_device)
@@ -69,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- resume ----------------------------------------------------------------------------------
     start_step, skipped_updates = 0, 0
-    resume_dir = training.resolve_resume(args)
     if resume_dir is not None:
         extra = training.load_state(resume_dir, policy, optimizer, lr_scheduler)
         training.check_resume_config(args, extra.get("config"))

@@ -22,7 +22,7 @@ class MetricsLogger:
     """Appends one JSON line per step to ``OUT/metrics.jsonl`` (and mirrors to TB / W&B) on rank 0.
 
     On resume, lines for steps after the resumed step are dropped first, so the file always reads as one
-    uninterrupted run.
+    uninterrupted run; a fresh run moves an existing log to ``metrics.previous.jsonl``.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, sinks: Iterable[str] = ("jsonl",),
@@ -38,7 +38,8 @@ class MetricsLogger:
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None and self.path.exists():
-            self.path.unlink()  # a fresh run in a reused folder starts a fresh log
+            # a fresh run in a folder with a log but no checkpoint: keep the old log beside the new one
+            self.path.replace(self.path.with_name("metrics.previous.jsonl"))
         sinks = set(sinks)
         if "tensorboard" in sinks:
             try:

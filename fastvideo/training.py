@@ -100,8 +100,16 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespac
 
 
 def resolve_resume(args: argparse.Namespace) -> Path | None:
-    """The checkpoint folder to resume from, or None for a fresh run ('latest' with none is a fresh run)."""
+    """The checkpoint folder to resume from, or None for a fresh run.
+
+    'latest' with no checkpoint yet is a fresh run; a fresh run (no --resume_from) into an --output_dir that
+    already holds checkpoints is refused, so finished work is never overwritten by accident.
+    """
     if args.resume_from is None:
+        existing = ckpt.latest_checkpoint(args.output_dir)
+        if existing is not None:
+            raise ValueError(f"--output_dir {args.output_dir} already holds a run (checkpoint {existing.name}); "
+                             "pass --resume_from latest to continue it, or choose a new --output_dir")
         return None
     if args.resume_from == "latest":
         found = ckpt.latest_checkpoint(args.output_dir)

@@ -6,6 +6,7 @@
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs).
 # Everything after the script name is passed to train_grpo_flux.py and wins over the defaults below.
+# Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -32,7 +33,7 @@ if [ -z "${MODEL_PATH:-}" ]; then
     --timestep_fraction 0.6 --clip_range 1e-4 --adv_clip_max 5 --global_std \
     --learning_rate 1e-3 --lr_warmup_steps 0 --max_grad_norm 1.0 --max_train_steps 250 \
     --reward jpeg_compressibility:1.0 --sample_every 50 --checkpointing_steps 125 --checkpoints_total_limit 1 \
-    --seed 0 "$@"
+    --seed 0 --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 else
   DATA_JSON=${DATA_JSON:-$DATA_DIR/embeddings/manifest.json}
@@ -52,7 +53,7 @@ else
     --train_batch_size 2 --gradient_accumulation_steps 0 --timestep_fraction 0.6 --clip_range 1e-4 \
     --adv_clip_max 5 --learning_rate 1e-5 --weight_decay 1e-4 --max_grad_norm 1.0 --max_train_steps 300 \
     --reward hpsv2:1.0 --gradient_checkpointing --fsdp_sharding_strategy full --mixed_precision bf16 \
-    --checkpointing_steps 50 --sample_every 10 --use_ema --ema_decay 0.995 --seed 42 "${HPS_ARGS[@]}" "$@"
+    --checkpointing_steps 50 --sample_every 10 --use_ema --ema_decay 0.995 --seed 42 --resume_from latest "${HPS_ARGS[@]}" "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 

@@ -162,6 +162,14 @@ def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
+def test_fresh_run_refuses_to_overwrite_a_run(lora_run, tiny_flux_dir, tiny_data):
+    before = (lora_run / "metrics.jsonl").read_text()
+    proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, lora_run, "--lora_rank", "4")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--resume_from latest" in proc.stderr
+    assert (lora_run / "metrics.jsonl").read_text() == before
+
+
 def test_grpo_raises_a_weight_free_reward(tiny_flux_dir, tiny_data, tmp_path):
     """40 GRPO steps (2 ranks, 32 samples/step) shrink the images' JPEG size; the lr-0 control stays flat.
 
