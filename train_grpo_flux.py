@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
                                 guidance=args.guidance_scale, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range), init_same_noise=args.init_same_noise,
                                 decode_x0=args.decode_x0, batch_size=args.rollout_batch_size)
+    config = training.run_config(args, counts)
     resume_dir = training.resolve_resume(args)
+    if resume_dir is not None:
+        training.check_resume_config(config, training.saved_run_config(resume_dir))
     seed_all(args.seed)
     set_deterministic(args.deterministic)
     noise = NoiseSource(args.seed, device=args.noise_device)
@@ -58,27 +61,26 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.output_dir)
     if main_rank:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
-        save_config(args, out / "config.json")
+        save_config(config, out / "config.json")
 
-    # ---- models, reward, optimizer ---------------------------------------------------------------
+    # ---- reward (checks its checkpoint paths first), models, optimizer ---------------------------------------------------------------
+    reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
     policy = training.build_policy(args, device, need_reference=args.kl_beta > 0)
     optimizer = training.build_optimizer(policy, args)  # right after sharding (FSDP2 swaps in DTensors)
     lr_scheduler = training.build_lr_scheduler(optimizer, args,
                                                args.max_train_steps * counts["optimizer_steps_per_rollout"])
     vae = flux.load_vae(args.pretrained_model_name_or_path, device=device)
-    reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
 
     # ---- resume ----------------------------------------------------------------------------------
     start_step, skipped_updates = 0, 0
     if resume_dir is not None:
         extra = training.load_state(resume_dir, policy, optimizer, lr_scheduler)
-        training.check_resume_config(args, extra.get("config"))
         start_step, skipped_updates = extra["step"], extra["skipped_updates"]
         sampler.load_state_dict(extra["sampler"])
         set_rng_state(extra["rng"][dist.rank] if dist.rank < len(extra["rng"]) else extra["rng"][0])
         if main_rank:
             print(f"resumed from {resume_dir} at step {start_step}", flush=True)
-    logger = MetricsLogger(out, enabled=main_rank, sinks=args.log_to, config=vars(args),
+    logger = MetricsLogger(out, enabled=main_rank, sinks=args.log_to, config=config,
                            wandb_project=args.wandb_project, resume_step=start_step if resume_dir else None)
     warned_ratio = False
     bar = progress_bar(args.max_train_steps, start_step, enabled=main_rank and args.progress_bar)
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         n_local = len(samples.prompt_ids)
-        group_ids = torch.arange(args.prompts_per_step).repeat_interleave(args.num_generations)
+        group_ids = torch.arange(args.prompts_per_step).repeat_interleave(args.num_generations)  # (P*G,)
+        all_prompt_ids = D.all_gather_tensor(traj.prompt_ids)
+        expected_ids = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
+        assert torch.equal(all_prompt_ids, expected_ids), "gathered samples are not in prompt-group order"
         adv_all, adv_metrics = group_advantages(all_rewards["total"], group_ids, global_std=args.global_std,
                                                 adv_clip_max=args.adv_clip_max)
         advantages = adv_all[dist.rank * n_local:(dist.rank + 1) * n_local].to(device)
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             **{f"reward_{k}": v.mean() for k, v in all_rewards.items() if k != "total"},
             "adv_mean": adv_all.mean(), "adv_std": adv_all.std(unbiased=False), "adv_abs_max": adv_all.abs().max(),
             "loss": rank_mean(losses), "kl": rank_mean(kls) if kls else 0.0, "clipfrac": rank_mean(clipfracs),
-            "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(), "ratio_min": ratio_all.min(),
+            "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
             "ratio_max": ratio_all.max(), "ratio_first_update": first_all.mean(),
             "ratio_first_update_max_dev": (first_all - 1).abs().max(),
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.checkpointing_steps == 0 or step == args.max_train_steps:
             training.save_state(args, step, policy, optimizer, lr_scheduler, extra={
                 "step": step, "skipped_updates": skipped_updates, "sampler": sampler.state_dict(),
-                "rng": D.all_gather_object(rng_state()), "config": vars(args)})
+                "rng": D.all_gather_object(rng_state()), "config": config})
 
     bar.close()
     logger.close()

@@ -47,7 +47,8 @@ class SamplingOptions:
     guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
     sde_window_size: int = opt(0, "noise only on this many consecutive steps (0 = every step is stochastic)")
     sde_window_range: tuple[int, int] | None = opt(
-        None, "two ints LO HI: window start drawn from [LO, HI - size] (default: 0 S)", nargs=2, type=int)
+        None, "two step indices LO HI: the window lies in steps [LO, HI) (default: 0 S-1, never the last step)",
+        nargs=2, type=int)
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
     rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
@@ -59,7 +60,7 @@ class GRPOOptions:
     prompts_per_step: int = opt(2, "prompts per training step over all ranks (P); samples per step = P*G")
     timestep_fraction: float = opt(0.6, "fraction of the S-1 non-final steps trained per sample (DanceGRPO)")
     clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
-    adv_clip_max: float = opt(5.0, "advantages are clamped to [-adv_clip_max, adv_clip_max]")
+    adv_clip_max: float = opt(5.0, "advantages (in reward-std units) are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = opt(False, "normalise advantages by the whole batch's reward std (Flow-GRPO) "
                                   "instead of each group's (DanceGRPO)")
     kl_beta: float = opt(0.0, "weight of the KL to the reference policy (0 = off; Flow-GRPO uses 0.04)")
@@ -72,7 +73,7 @@ class OptimOptions:
     adam_beta1: float = opt(0.9, "AdamW beta1")
     adam_beta2: float = opt(0.999, "AdamW beta2")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "gradient clipping norm (<= 0 disables clipping)")
+    max_grad_norm: float = opt(1.0, "clip the global L2 norm of the gradients to this (<= 0 disables clipping)")
     lr_scheduler: str = opt("constant_with_warmup", "learning-rate schedule",
                             choices=("constant_with_warmup", "cosine", "constant"))
     lr_warmup_steps: int = opt(0, "warm-up length in optimizer steps")
@@ -123,7 +124,7 @@ class RewardOptions:
 
 @dataclass
 class LoggingOptions:
-    sample_every: int = opt(50, "save a sample grid every N steps (0 = never)")
+    sample_every: int = opt(50, "save a grid of rank 0's samples every N training steps (0 = never)")
     log_to: tuple[str, ...] = opt(("jsonl",), "metric sinks: jsonl (always) tensorboard wandb", nargs="+",
                             choices=("jsonl", "tensorboard", "wandb"))
     wandb_project: str = opt("flux-grpo", "W&B project when --log_to wandb")
@@ -132,7 +133,7 @@ class LoggingOptions:
 
 @dataclass
 class CheckpointOptions:
-    checkpointing_steps: int = opt(100, "save the full training state every N steps (and at the end)")
+    checkpointing_steps: int = opt(100, "save the full training state every N training steps (and at the end)")
     checkpoints_total_limit: int | None = opt(None, "keep only the newest N checkpoints")
     resume_from: str | None = opt(None, "'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint folder")
 
@@ -175,10 +176,11 @@ def build_parser(groups: Sequence[type], description: str) -> argparse.ArgumentP
     return parser
 
 
-def save_config(args: argparse.Namespace, path: str | Path) -> None:
-    """Write every flag to ``path`` as JSON (what the run actually used)."""
+def save_config(config: argparse.Namespace | dict, path: str | Path) -> None:
+    """Write every flag (a Namespace or dict) to ``path`` as JSON: what the run actually used."""
+    config = vars(config) if isinstance(config, argparse.Namespace) else config
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(vars(args), indent=2, sort_keys=True, default=str) + "\n")
+    Path(path).write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def _need(cond: bool, message: str) -> None:
@@ -234,7 +236,7 @@ def validate_sampling(args: argparse.Namespace) -> None:
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")
     if args.sde_window_range is None:
-        args.sde_window_range = (0, S)
+        args.sde_window_range = (0, S - 1)  # like DanceGRPO's subset: the last step (sigma' = 0) is not trained
     lo, hi = args.sde_window_range
     if args.sde_window_size:
         _need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,
@@ -254,6 +256,11 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     _need(args.clip_range > 0, f"--clip_range must be > 0, got {args.clip_range}")
     _need(args.adv_clip_max > 0, f"--adv_clip_max must be > 0, got {args.adv_clip_max}")
     _need(args.kl_beta >= 0, f"--kl_beta must be >= 0, got {args.kl_beta}")
+    _need(args.eta > 0, f"--eta {args.eta}: GRPO needs stochastic steps (log-prob ratios); use --eta > 0")
+    if args.sde_type == "cps" and args.kl_beta > 0 and args.sde_window_size:
+        _need(args.sde_window_range[1] < args.sampling_steps,
+              "--sde_type cps with --kl_beta > 0: the last step has zero noise (sigma' = 0), where the KL is "
+              f"undefined; keep the window before it (--sde_window_range ... {args.sampling_steps - 1})")
     total = args.prompts_per_step * args.num_generations
     _need(total % world_size == 0,
           f"samples per step = --prompts_per_step ({args.prompts_per_step}) x --num_generations "

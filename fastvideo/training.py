@@ -119,17 +119,44 @@ def resolve_resume(args: argparse.Namespace) -> Path | None:
     return Path(args.resume_from)
 
 
-def check_resume_config(args: argparse.Namespace, saved: dict | None) -> None:
-    """Refuse to resume a checkpoint made with different run-defining flags (a silent mismatch loses work)."""
+# Flags a resumed run must share with the checkpoint's run, or it would not continue the same run.
+RESUME_KEYS = ("pretrained_model_name_or_path", "lora_rank", "lora_alpha", "lora_target_modules", "seed",
+               "num_generations", "prompts_per_step", "sampling_steps", "sde_type", "eta", "shift", "h", "w",
+               "guidance_scale", "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0",
+               "timestep_fraction", "clip_range", "adv_clip_max", "global_std", "kl_beta", "reward",
+               "learning_rate", "lr_scheduler", "lr_warmup_steps", "use_ema", "ema_decay", "batch_arithmetic")
+
+
+def saved_run_config(resume_dir: Path) -> dict | None:
+    """The config.json of the run that wrote ``resume_dir`` (OUT/checkpoints/step-N -> OUT/config.json)."""
+    path = Path(resume_dir).resolve().parents[1] / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_resume_config(config: dict, saved: dict | None) -> None:
+    """Refuse to resume a checkpoint made with different run-defining flags (a silent mismatch loses work).
+
+    ``config`` is what ``run_config`` returns for this run. A cosine schedule also pins --max_train_steps
+    (its length); a different world size is fine as long as the batch arithmetic is the same.
+    """
     if not saved:
         return
-    keys = ("pretrained_model_name_or_path", "lora_rank", "num_generations", "prompts_per_step",
-            "sampling_steps", "sde_type", "seed", "train_batch_size")
-    diffs = {k: (saved.get(k), getattr(args, k)) for k in keys if k in saved and saved.get(k) != getattr(args, k)}
+    keys = RESUME_KEYS + (("max_train_steps",) if config.get("lr_scheduler") == "cosine" else ())
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731  (JSON turns tuples into lists)
+    diffs = {k: (saved.get(k), config.get(k)) for k in keys
+             if k in saved and json.loads(json.dumps(norm(saved.get(k)), default=str)) !=
+             json.loads(json.dumps(norm(config.get(k)), default=str))}
     if diffs:
-        text = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
+        text = "; ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
         raise ValueError(f"cannot resume: flags differ from the checkpoint's run ({text}); use the original "
-                         "values or a new --output_dir")
+                         "values, or a new --output_dir for a new run")
+
+
+def run_config(args: argparse.Namespace, counts: dict[str, int]) -> dict:
+    """What config.json records: every flag plus the derived batch arithmetic (world size excluded)."""
+    per_rank = ("world_size", "samples_per_rank", "micro_batches_per_rank", "gradient_accumulation_steps")
+    arithmetic = {k: v for k, v in counts.items() if k not in per_rank}
+    return {**vars(args), "batch_arithmetic": arithmetic}
 
 
 def save_state(args: argparse.Namespace, step: int, policy: Policy, optimizer, lr_scheduler, extra: dict) -> Path:

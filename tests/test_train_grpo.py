@@ -27,6 +27,10 @@ def common_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             "--learning_rate", "1e-3", "--sample_every", "2", "--seed", "3", "--no-progress_bar", *extra]
 
 
+LORA_FLAGS = ("--max_train_steps", "4", "--checkpointing_steps", "2", "--lora_rank", "4", "--learning_rate", "3e-2",
+              "--kl_beta", "0.04")
+
+
 def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
 
@@ -45,10 +49,9 @@ def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
-    """4 LoRA steps on 2 ranks with a checkpoint every 2 steps."""
+    """4 LoRA steps on 2 ranks with a checkpoint every 2 steps, KL to the adapter-disabled reference."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, "--max_train_steps", "4", "--checkpointing_steps", "2",
-                             "--lora_rank", "4", "--learning_rate", "3e-2"))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, *LORA_FLAGS))
     return out
 
 
@@ -99,8 +102,7 @@ def test_resume_continues_exactly(lora_run, tiny_flux_dir, tiny_data, tmp_path):
     shutil.copytree(lora_run, out)
     shutil.rmtree(out / "checkpoints" / "step-4")
     shutil.rmtree(out / "final")
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, "--max_train_steps", "4", "--checkpointing_steps", "2",
-                             "--lora_rank", "4", "--learning_rate", "3e-2", "--resume_from", "latest"))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, *LORA_FLAGS, "--resume_from", "latest"))
     straight = read_metrics(lora_run / "metrics.jsonl")
     resumed = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -133,10 +135,14 @@ def test_full_finetune_export_loads(full_runs):
 
 
 def test_world_size_does_not_change_rewards(full_runs):
-    two = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")[0]
-    one = read_metrics(full_runs["single"] / "metrics.jsonl")[0]
+    two = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
+    one = read_metrics(full_runs["single"] / "metrics.jsonl")
     for key in ("reward_mean", "reward_std", "reward_jpeg_compressibility"):
-        assert one[key] == pytest.approx(two[key], rel=1e-6, abs=1e-7), key
+        assert one[0][key] == pytest.approx(two[0][key], rel=1e-6, abs=1e-7), key
+    # the first update is the same too, so step 2 samples from the same policy
+    for key in ("loss", "grad_norm"):
+        assert one[0][key] == pytest.approx(two[0][key], rel=1e-4, abs=1e-8), key
+    assert one[1]["reward_mean"] == pytest.approx(two[1]["reward_mean"], rel=1e-4)
 
 
 def test_fsdp1_and_fsdp2_agree(full_runs):
@@ -156,6 +162,7 @@ def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):
 
     assert "--num_generations" in run("--num_generations", "1")
     assert "--train_batch_size" in run("--num_generations", "3", "--prompts_per_step", "1")
+    assert "--eta" in run("--eta", "0")
     assert "--pretrained_model_name_or_path" in run("--pretrained_model_name_or_path", str(tmp_path / "nope"))
     assert "preprocess_embeddings.py" in run("--data_json_path", str(tmp_path / "nothing"))
     assert "jpeg_compresibility" in run("--reward", "jpeg_compresibility:1")
@@ -168,6 +175,15 @@ def test_fresh_run_refuses_to_overwrite_a_run(lora_run, tiny_flux_dir, tiny_data
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--resume_from latest" in proc.stderr
     assert (lora_run / "metrics.jsonl").read_text() == before
+
+
+def test_resume_with_other_flags_is_refused_before_loading(lora_run, tiny_flux_dir, tiny_data):
+    config = (lora_run / "config.json").read_text()
+    proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, lora_run, *LORA_FLAGS,
+                                                        "--lora_rank", "8", "--resume_from", "latest")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--lora_rank: checkpoint 4 vs now 8" in proc.stderr
+    assert (lora_run / "config.json").read_text() == config, "a refused resume must not rewrite config.json"
 
 
 def test_grpo_raises_a_weight_free_reward(tiny_flux_dir, tiny_data, tmp_path):
