@@ -22,6 +22,7 @@ from fastvideo.config import parse_grpo_args, save_config, validate_grpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.logging import MetricsLogger, peak_memory_gb, progress_bar, save_image_grid
 from fastvideo.losses import grpo_loss, kl_loss
+from fastvideo.parallel import clip_grad_norm, set_gradient_sync
 from fastvideo.rewards import build_reward, parse_reward_spec
 from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout, select_trained_timesteps
 from fastvideo.seeding import NoiseSource, rng_state, seed_all, set_deterministic, set_rng_state
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
                     kl, _ = kl_loss(mean, ref_mean, traj.noise_scale(j))
                     loss = loss + args.kl_beta * kl
                     kls.append(kl.detach())
+                # one gradient reduction per optimizer step: only the cycle's last backward syncs (FSDP2)
+                last_backward = (mb_index + 1) % accum == 0 and k == num_trained - 1
+                set_gradient_sync(policy.model, last_backward)
                 (loss * scale).backward()
                 ratio = torch.exp(log_prob.detach() - old_log_prob)
                 ratios.append(ratio)
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                 if mb_index < accum:  # before the first optimizer step of this rollout
                     first_ratios.append(ratio)
             if (mb_index + 1) % accum == 0:
-                grad_norm = parallel_clip(policy, args.max_grad_norm)
+                grad_norm = clip_grad_norm(policy.model, args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
                 grad_norms.append(grad_norm)
                 if math.isfinite(grad_norm):
                     optimizer.step()
@@ -209,13 +213,6 @@ def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:
     """Mean of this rank's 0-d metric tensors, averaged over ranks (every rank has the same count)."""
     local = torch.stack([v.detach().float().cpu() for v in values]).mean()
     return D.all_reduce_sum(local) / D.get_world_size()
-
-
-def parallel_clip(policy: training.Policy, max_norm: float) -> float:
-    """Clip the trainable gradients; returns the total norm (inf/nan means: skip this update)."""
-    from fastvideo.parallel import clip_grad_norm
-
-    return clip_grad_norm(policy.model, max_norm if max_norm > 0 else float("inf"))
 
 
 if __name__ == "__main__":

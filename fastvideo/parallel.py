@@ -234,6 +234,17 @@ def autocast(mixed_precision: str, device: torch.device | str | None = None):
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
 
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients in this backward (True) or keep accumulating them locally (False).
+
+    Lets a trainer run many backwards per optimizer step (micro-batches x timesteps) with one reduction, on the
+    last backward of the cycle. A no-op for FSDP1 (its ``no_sync`` keeps unsharded gradients: too much memory
+    for FLUX) and for plain modules.
+    """
+    if fsdp_version_of(model) == 2:
+        model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+
+
 def reshard(model: nn.Module) -> None:
     """Free gathered parameters left by a forward without backward (FSDP2 ``shard_grad_op``); no-op otherwise.
 
