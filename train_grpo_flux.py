@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
         save_config(config, out / "config.json")
 
-    # ---- reward (checks its checkpoint paths first), models, optimizer ---------------------------------------------------------------
+    # ---- reward (checks its checkpoint paths first), models, optimizer --------------------------
     reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
     policy = training.build_policy(args, device, need_reference=args.kl_beta > 0)
     optimizer = training.build_optimizer(policy, args)  # right after sharding (FSDP2 swaps in DTensors)
