@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         rewards = reward_fn(traj.images, batch["prompts"])
         t_reward = time.perf_counter() - t0
-        all_rewards = {k: D.all_gather_tensor(v.float().cpu()) for k, v in rewards.items()}
+        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
+        all_rewards = dict(zip(rewards, D.all_gather_tensor(stacked).unbind(dim=1)))  # name -> (P*G,)
 
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         n_local = len(samples.prompt_ids)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-SDE_TYPES = ("flow_sde", "dance_sde", "cps")
+from fastvideo.schedulers import SDE_TYPES
+
 DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
 
 
@@ -236,7 +237,9 @@ def validate_sampling(args: argparse.Namespace) -> None:
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")
     if args.sde_window_range is None:
-        args.sde_window_range = (0, S - 1)  # like DanceGRPO's subset: the last step (sigma' = 0) is not trained
+        from fastvideo.rollout import default_window_range
+
+        args.sde_window_range = default_window_range(S)
     lo, hi = args.sde_window_range
     if args.sde_window_size:
         _need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,

@@ -26,6 +26,11 @@ from fastvideo.schedulers import SDE_TYPES, get_sigmas, ode_step, sde_noise_scal
 from fastvideo.seeding import NoiseSource
 
 
+def default_window_range(sampling_steps: int) -> tuple[int, int]:
+    """Steps an SDE window may cover by default: all but the last (sigma' = 0, like DanceGRPO's subset)."""
+    return (0, max(1, sampling_steps - 1))
+
+
 @dataclass
 class RolloutConfig:
     """How to sample: image size, steps, SDE type/level, sigma shift, guidance, window, micro-batch size."""
@@ -38,7 +43,7 @@ class RolloutConfig:
     shift: float | None = None  # None = FLUX dynamic shift (as FluxPipeline); a float = static shift
     guidance: float | None = 3.5  # FLUX.1-dev distilled guidance; ignored by models without it
     sde_window_size: int = 0  # 0 = every step stochastic
-    sde_window_range: tuple[int, int] | None = None  # window start ~ U{lo, hi - size}; default (0, S)
+    sde_window_range: tuple[int, int] | None = None  # window in steps [lo, hi); default (0, S-1): not the last step
     init_same_noise: bool = False
     decode_x0: bool = False  # decode the last predicted x0_hat (DanceGRPO) instead of the final latent
     batch_size: int = 8  # samples per transformer call
@@ -56,7 +61,7 @@ class RolloutConfig:
         if not 0 <= self.sde_window_size <= S:
             raise ValueError(f"sde_window_size must be in [0, sampling_steps={S}], got {self.sde_window_size}")
         if self.sde_window_range is None:
-            self.sde_window_range = (0, S)
+            self.sde_window_range = default_window_range(S)
         lo, hi = (int(v) for v in self.sde_window_range)
         self.sde_window_range = (lo, hi)
         if self.sde_window_size and not (0 <= lo and hi <= S and hi - lo >= self.sde_window_size):
