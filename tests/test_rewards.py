@@ -255,7 +255,7 @@ def test_hps_loader_accepts_module_prefix(tmp_path, tiny_hps, hps_fn):
     prefixed = tmp_path / "ddp.pt"
     torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, prefixed)
     images = _smooth_images(2, 64, 64)
-    fn = build_reward("hpsv2", "cpu", hps_checkpoint=str(prefixed), hps_model_config=str(cfg))
+    fn = build_reward("hpsv2", "cpu", hps_checkpoint=str(prefixed), hps_model=str(cfg))
     torch.testing.assert_close(fn(images, PROMPTS[:2])["hpsv2"], hps_fn(images, PROMPTS[:2])["hpsv2"])
 
 

@@ -129,20 +129,20 @@ def _check_finite(name: str, scores: torch.Tensor, images: torch.Tensor, prompts
 
 
 def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoint: str | None = None,
-                 hps_model: str = "ViT-H-14", hps_model_config: str | None = None,
+                 hps_model: str = "ViT-H-14",
                  pickscore_model: str | None = None, pickscore_processor: str | None = None,
                  clip_checkpoint: str | None = None, clip_model: str = "ViT-H-14",
                  aesthetic_checkpoint: str | None = None, aesthetic_clip_checkpoint: str | None = None,
                  aesthetic_clip_model: str = "ViT-L-14-quickgelu") -> RewardFn:
     """Build the weighted reward of ``spec``; every path is validated before any model is loaded.
 
-    ``hps_model_config`` is an alias of ``hps_model`` given a config JSON (it wins when set).
+    Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON).
     """
     from ._common import looks_like_path, require_path
 
     components = parse_reward_spec(spec)
     device = torch.device(device)
-    paths = dict(hps_checkpoint=hps_checkpoint, hps_model=hps_model_config or hps_model,
+    paths = dict(hps_checkpoint=hps_checkpoint, hps_model=hps_model,
                  pickscore_model=pickscore_model, pickscore_processor=pickscore_processor,
                  clip_checkpoint=clip_checkpoint, clip_model=clip_model,
                  aesthetic_checkpoint=aesthetic_checkpoint, aesthetic_clip_checkpoint=aesthetic_clip_checkpoint,
