@@ -20,9 +20,10 @@ from fastvideo import flux, training
 from fastvideo.advantages import group_advantages
 from fastvideo.config import parse_grpo_args, save_config, validate_grpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
-from fastvideo.logging import MetricsLogger, peak_memory_gb, progress_bar, save_image_grid
+from fastvideo.logging import MetricsLogger, current_memory_gb, peak_memory_gb, progress_bar, save_image_grid
 from fastvideo.losses import grpo_loss, kl_loss
-from fastvideo.parallel import clip_grad_norm, set_gradient_sync
+from fastvideo.memory import plan_grpo
+from fastvideo.parallel import clip_grad_norm, resolve_gradient_sync, set_gradient_sync
 from fastvideo.rewards import build_reward, parse_reward_spec
 from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout, select_trained_timesteps
 from fastvideo.seeding import NoiseSource, rng_state, seed_all, set_deterministic, set_rng_state
@@ -37,8 +38,11 @@ RATIO_WARN = 1e-3
 def main(argv: list[str] | None = None) -> None:
     # ---- setup: flags and inputs first, before anything expensive -------------------------------
     args = parse_grpo_args(argv)
-    dist = D.init_distributed(args.device)
+    if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
+        return training.dry_run(args, validate_grpo, plan_grpo)
+    dist = D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
     counts = validate_grpo(args, dist.world_size)
+    training.check_memory_flags(args, dist.world_size, dist.device)
     parse_reward_spec(args.reward)
     geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
     dataset = EmbeddingDataset(args.data_json_path)
@@ -65,8 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         save_config(config, out / "config.json")
 
     # ---- reward (checks its checkpoint paths first), models, optimizer --------------------------
+    memory_baseline = current_memory_gb(device, import_model_libraries=True)
     reward_fn = build_reward(args.reward, device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
     policy = training.build_policy(args, device, need_reference=args.kl_beta > 0)
+    sync_every_backward = resolve_gradient_sync(args.gradient_sync, policy.is_lora) == "backward"
     optimizer = training.build_optimizer(policy, args)  # right after sharding (FSDP2 swaps in DTensors)
     lr_scheduler = training.build_lr_scheduler(optimizer, args,
                                                args.max_train_steps * counts["optimizer_steps_per_rollout"])
@@ -141,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
                     kl, _ = kl_loss(mean, ref_mean, traj.noise_scale(j))
                     loss = loss + args.kl_beta * kl
                     kls.append(kl.detach())
-                # one gradient reduction per optimizer step: only the cycle's last backward syncs (FSDP2)
+                # --gradient_sync backward: reduce-scatter now; step (LoRA): only on the cycle's last backward
                 last_backward = (mb_index + 1) % accum == 0 and k == num_trained - 1
-                set_gradient_sync(policy.model, last_backward)
+                set_gradient_sync(policy.model, sync_every_backward or last_backward)
                 (loss * scale).backward()
                 ratio = torch.exp(log_prob.detach() - old_log_prob)
                 ratios.append(ratio)
@@ -185,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             "time_reward": t_reward, "time_train": t_train, "time_step": step_time,
             "samples_per_s": counts["samples_per_step"] / step_time,
             "peak_memory_gb": D.all_reduce_max(peak_memory_gb(device)),
+            "memory_baseline_gb": D.all_reduce_max(memory_baseline),
         }
         logger.log(step, metrics)
         if main_rank and float(metrics["ratio_first_update_max_dev"]) > RATIO_WARN and not warned_ratio:

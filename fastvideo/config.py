@@ -101,8 +101,23 @@ class ParallelOptions:
                                       choices=("full", "hybrid_full", "shard_grad_op", "no_shard"))
     mixed_precision: str = opt("auto", "compute dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
                                choices=("auto", "bf16", "fp32"))
-    use_cpu_offload: bool = opt(False, "offload FSDP parameters and optimizer state to the CPU")
+    use_cpu_offload: bool = opt(False, "offload FSDP parameters, gradients and optimizer state to the CPU (needs "
+                                       ">= 2 ranks; adds a gloo backend for CPU collectives)")
     gradient_checkpointing: bool = opt(False, "recompute transformer blocks in backward to save memory")
+    gradient_sync: str = opt(
+        "auto", "when FSDP2 reduce-scatters gradients: backward = after every backward (each rank keeps only its "
+        "fp32 gradient shard, 4 B/param/world; more communication) | step = once per optimizer step (every rank "
+        "keeps unsharded fp32 gradients of all trainable params until then, 4 B/param: ~48 GB for a FLUX.1-dev full "
+        "fine-tune, so LoRA only) | auto = step for LoRA, backward for full fine-tuning",
+        choices=("auto", "backward", "step"))
+
+
+@dataclass
+class PlanOptions:
+    dry_run: bool = opt(False, "validate the flags, print the batch arithmetic and a per-rank memory plan (from the "
+                               "model folder's configs, on the meta device: no weights are read), then exit")
+    dry_run_world_size: int | None = opt(None, "with --dry_run: plan for this many ranks (default: this job's)")
+    dry_run_device_memory_gb: float = opt(80.0, "with --dry_run: memory per device (GiB) to check the plan against")
 
 
 @dataclass
@@ -140,7 +155,7 @@ class CheckpointOptions:
 
 
 GRPO_GROUPS = (ModelOptions, SamplingOptions, GRPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
-               RewardOptions, LoggingOptions, CheckpointOptions)
+               RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
 
 
 def _add_group(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -198,17 +213,25 @@ def validate_common(args: argparse.Namespace) -> None:
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at "
                                 "a local diffusers FLUX folder (e.g. a FLUX.1-dev snapshot)")
-    _need(args.data_json_path is not None,
+    dry_run = getattr(args, "dry_run", False)  # a plan needs no embeddings (512 text tokens are assumed)
+    _need(args.data_json_path is not None or dry_run,
           "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
-    data = Path(args.data_json_path)
-    manifest = data / "manifest.json" if data.is_dir() else data
-    if not manifest.is_file():
-        raise FileNotFoundError(f"--data_json_path {data}: no manifest.json; run preprocess_embeddings.py "
-                                f"--model_path {model} --prompt_file PROMPTS --output_dir {data} first")
+    if args.data_json_path is not None:
+        data = Path(args.data_json_path)
+        manifest = data / "manifest.json" if data.is_dir() else data
+        if not manifest.is_file() and not dry_run:
+            raise FileNotFoundError(f"--data_json_path {data}: no manifest.json; run preprocess_embeddings.py "
+                                    f"--model_path {model} --prompt_file PROMPTS --output_dir {data} first")
+    _need(getattr(args, "dry_run_world_size", None) is None or args.dry_run_world_size >= 1,
+          f"--dry_run_world_size must be >= 1, got {getattr(args, 'dry_run_world_size', None)}")
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
     _need(args.learning_rate >= 0, f"--learning_rate must be >= 0, got {args.learning_rate}")
     _need(args.lr_warmup_steps >= 0, f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
     _need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
+    if hasattr(args, "gradient_sync"):
+        from fastvideo.parallel import resolve_gradient_sync
+
+        resolve_gradient_sync(args.gradient_sync, args.lora_rank > 0)
     _need(args.checkpointing_steps >= 1, f"--checkpointing_steps must be >= 1, got {args.checkpointing_steps}")
     _need(args.checkpoints_total_limit is None or args.checkpoints_total_limit >= 1,
           f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")

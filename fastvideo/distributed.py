@@ -62,9 +62,27 @@ def pick_device_type(requested: str | None = None) -> str:
     return "cpu"
 
 
-def init_distributed(device: str | None = None, timeout_minutes: int = 30) -> DistInfo:
+def process_group_backend(device_type: str, cpu_collectives: bool = False) -> str:
+    """The ``init_process_group`` backend: gloo on a CPU job, nccl (CUDA) / hccl (NPU) on accelerators, and with
+    ``cpu_collectives`` also gloo for CPU tensors (``"cuda:nccl,cpu:gloo"``).
+
+    FSDP2 CPU offload needs the second backend: the sharded gradients are CPU DTensors, so the all-reduce of
+    ``clip_grad_norm`` and the full-state-dict gathers run on CPU tensors, which NCCL/HCCL cannot carry
+    ("No backend type associated with device type cpu"). torchtitan and verl initialise the same pair.
+    """
+    if device_type not in _BACKENDS:
+        raise ValueError(f"--device {device_type!r} is not one of cuda, npu, cpu")
+    backend = _BACKENDS[device_type]
+    if device_type == "cpu" or not cpu_collectives:
+        return backend
+    return f"{device_type}:{backend},cpu:gloo"
+
+
+def init_distributed(device: str | None = None, timeout_minutes: int = 30,
+                     cpu_collectives: bool = False) -> DistInfo:
     """Initialise from torchrun's environment (world size 1 without it) and pick the device.
 
+    ``cpu_collectives`` adds a gloo backend for CPU tensors beside NCCL/HCCL (pass ``--use_cpu_offload``).
     Idempotent: a second call returns the first call's answer.
     """
     global _INFO
@@ -74,7 +92,7 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 30) -> Di
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     kind = pick_device_type(device)
-    backend = _BACKENDS[kind]
+    backend = process_group_backend(kind, cpu_collectives)
     if kind == "cpu":
         dev = torch.device("cpu")
     else:

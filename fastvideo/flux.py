@@ -109,6 +109,27 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return model.to(device)
 
 
+def transformer_folder(path: str | os.PathLike) -> Path:
+    """The transformer component folder of a FLUX folder (or ``path`` itself if it is one)."""
+    return _subfolder(path, "transformer")
+
+
+def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """The FluxTransformer2DModel of a FLUX folder's config.json on the meta device: shapes only, no memory, no
+    weights read (the 12B path: shard it, then ``weights.load_safetensors_into``; or count its parameters)."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = transformer_folder(path)
+    config = FluxTransformer2DModel.load_config(folder, local_files_only=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in ``dtype`` (no cast afterwards)
+    try:
+        with torch.device("meta"):
+            return FluxTransformer2DModel.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load the frozen AutoencoderKL of a FLUX folder (eval mode, no grad)."""
     from diffusers import AutoencoderKL

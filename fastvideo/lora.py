@@ -11,10 +11,12 @@ Typical use (the adapter is added before ``shard_model``; every rank adds it wit
 """
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,10 +46,12 @@ def add_lora(
 ) -> nn.Module:
     """Add a peft LoRA adapter (``transformer.add_adapter(LoraConfig(...))``) and freeze everything else.
 
-    ``target_modules`` defaults to ``DEFAULT_LORA_TARGET_MODULES``. lora_A gets peft's Kaiming init drawn from a
-    generator seeded with ``init_seed`` (the global RNG when None: then all ranks must share its state); lora_B
-    is zero, so the adapted model starts equal to the base. Adapter weights are created in float32. Call before
-    ``shard_model``. Returns ``transformer`` (modified in place).
+    ``target_modules`` defaults to ``DEFAULT_LORA_TARGET_MODULES``. With ``init_seed`` the adapter starts from
+    ``initial_adapter_weights(model, init_seed)`` (peft's init, each lora_A from a generator keyed by its name); without
+    it from peft's own init on the global RNG (then all ranks must share its state). lora_B is zero, so the adapted
+    model starts equal to the base. Adapter weights are float32. On a meta-device model the values are left to
+    ``weights.fill_local_shards`` after ``shard_model``. Call before ``shard_model``. Returns ``transformer``
+    (modified in place).
     """
     from peft import LoraConfig
 
@@ -64,8 +68,7 @@ def add_lora(
         if init_seed is None:
             transformer.add_adapter(config, adapter_name=adapter_name)
         else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(init_seed)
+            with torch.random.fork_rng(devices=[]):  # peft's own init draws are overwritten below
                 transformer.add_adapter(config, adapter_name=adapter_name)
     except ValueError as err:
         if "Target modules" in str(err) or "not found" in str(err):
@@ -77,7 +80,46 @@ def add_lora(
         param.requires_grad_(is_adapter)
         if is_adapter and param.dtype != torch.float32:
             param.data = param.data.float()
+    if init_seed is not None and not any(p.is_meta for p in transformer.parameters()):
+        # the same values a meta-built, sharded model gets from fill_local_shards(initial_adapter_weights(...))
+        from fastvideo.weights import fill_local_shards
+
+        fill_local_shards(transformer, initial_adapter_weights(transformer, init_seed, adapter_name))
     return transformer
+
+
+def initial_adapter_weights(model: nn.Module, seed: int, adapter_name: str = "default"
+                            ) -> dict[str, Callable[[], torch.Tensor]]:
+    """``name -> fn() -> full tensor`` of the adapter's initial weights: peft's LoRA init (lora_A Kaiming-uniform
+    with a = sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); lora_B zero), each lora_A drawn from its own generator
+    seeded by ``(seed, name)``, so the values depend neither on the sharding nor on the order of creation.
+
+    Works on a meta-device model (shapes only): ``weights.fill_local_shards(model, initial_adapter_weights(...))``
+    writes each rank's part after ``shard_model``.
+    """
+    from fastvideo.parallel import clean_name
+
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
+    marker = f".{adapter_name}."
+    for raw_name, param in model.named_parameters():
+        name = clean_name(raw_name)
+        if marker not in name or "lora_" not in name:
+            continue
+        shape = tuple(param.shape)
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(shape[1])
+            makers[name] = functools.partial(_uniform, shape, bound, seed, name)
+        else:
+            makers[name] = functools.partial(torch.zeros, shape)
+    if not makers:
+        raise ValueError(f"the model has no LoRA adapter named {adapter_name!r}; call add_lora first")
+    return makers
+
+
+def _uniform(shape: tuple[int, ...], bound: float, seed: int, name: str) -> torch.Tensor:
+    from fastvideo.seeding import generator
+
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator(seed, "lora_init", name))
 
 
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:

@@ -33,7 +33,23 @@ Choices (each validated up front with a ValueError that names the flag):
 
 World size 1 (no process group, e.g. ``python train.py`` without torchrun) is not a special case for the caller:
 ``shard_model`` returns the model itself moved to the job's device (only gradient checkpointing is applied; CPU
-offload and FSDP's bf16 weights are FSDP features and do not apply), and every helper here works on it.
+offload and FSDP's bf16 weights are FSDP features and do not apply: ``memory_flag_problems`` says so up front),
+and every helper here works on it.
+
+Loading at 12B (DESIGN principle 8): build the model on the meta device and pass it here; ``shard_model`` then
+materialises only this rank's shards (uninitialised; FSDP2 ``to_empty`` after sharding, FSDP1 one unit at a time
+through ``param_init_fn``) and ``weights.load_safetensors_into`` fills them, each rank reading only its own bytes.
+Host RAM per node stays ~1x the model instead of one fp32 copy per rank.
+
+Gradient reduction (``--gradient_sync``), measured on FSDP2 in tests/dist_scripts/memory_checks.py:
+
+- ``backward``: reduce-scatter after every backward (torchtitan's choice). Between backwards each rank holds only
+  its fp32 gradient shard (4 bytes x params / world): the only mode that fits a FLUX.1-dev full fine-tune.
+- ``step``: ``set_requires_gradient_sync(False)`` on every backward of an accumulation cycle but the last; FSDP2
+  then keeps an unsharded fp32 gradient of every trainable parameter on every rank until the sync (4 bytes x
+  trainable params per rank: ~48 GB for FLUX.1-dev, whatever the world size), in exchange for one reduction per
+  optimizer step. Only for LoRA, where the adapters are a few hundred MB at most.
+- FSDP1 always reduces per backward (its ``no_sync`` keeps unsharded gradients too).
 
 Ranks must build identical models before sharding (same folder, same seeds): nothing is broadcast from rank 0.
 Build the optimizer (and ``EMA``) right after ``shard_model``, before any forward: with ``shard_grad_op`` FSDP2
@@ -54,6 +70,7 @@ from fastvideo.flux import model_config as unwrap_config  # noqa: F401  (re-expo
 from fastvideo.flux import unwrap_model
 
 FSDP_VERSIONS = (1, 2)
+GRADIENT_SYNC_MODES = ("backward", "step")
 SHARDING_STRATEGIES = ("full", "hybrid_full", "shard_grad_op", "no_shard")
 MIXED_PRECISIONS = ("fp32", "bf16")
 
@@ -137,21 +154,49 @@ def shard_model(
     materialise the whole model on every GPU). Call it once, after ``add_lora`` (adapters must exist before
     sharding) and before building the optimizer (which must see the sharded parameters).
     ``hybrid_shard_size`` overrides the shard-group size of ``hybrid_full`` (default: ranks per node).
+
+    A model on the meta device (the 12B path) comes back with this rank's shards allocated but uninitialised: fill
+    them with ``weights.load_safetensors_into`` (and ``weights.fill_local_shards`` for generated ones) before use.
     """
     validate_parallel_options(fsdp_version, sharding_strategy, mixed_precision)
     if gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     device = distributed.info().device
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if not distributed.is_distributed():
-        return model.to(device)
+        return model.to_empty(device=device) if on_meta else model.to(device)
     world = distributed.get_world_size()
     if not transformer_blocks(model):
         raise ValueError(f"{type(model).__name__} has no transformer blocks to shard (looked for "
                          f"{getattr(model, '_no_split_modules', None) or _DEFAULT_BLOCK_NAMES}); shard_model expects "
                          "a FluxTransformer2DModel-like model")
     if fsdp_version == 2:
-        return _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
-    return _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
+        model = _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
+        if on_meta:  # allocates only the local shards (on the CPU when offloading, where FSDP2 keeps them)
+            model.to_empty(device="cpu" if cpu_offload else device)
+        return model
+    return _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size,
+                        on_meta)
+
+
+def memory_flag_problems(world_size: int, device_type: str, cpu_offload: bool, compute_bf16: bool
+                         ) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)`` for memory flags that cannot take effect in this job, checked before loading.
+
+    World size 1 applies no FSDP: ``--use_cpu_offload`` would do nothing on an accelerator (an error: the run would
+    run out of memory where the user expects it to fit) and bf16 comes from autocast only, over fp32 weights. On a
+    CPU job offloading is a no-op (a warning).
+    """
+    errors, warnings_ = [], []
+    if world_size == 1 and cpu_offload and device_type != "cpu":
+        errors.append("--use_cpu_offload has no effect at world size 1 (FSDP, which offloads, is applied only under "
+                      "torchrun with >= 2 ranks): launch with torchrun --nproc_per_node >= 2, or drop the flag")
+    elif cpu_offload and device_type == "cpu":
+        warnings_.append("--use_cpu_offload does nothing on a CPU job (everything is on the CPU already)")
+    if world_size == 1 and compute_bf16:
+        warnings_.append("world size 1: no FSDP, so bf16 applies through autocast only; parameters, gradients and "
+                         "AdamW state stay unsharded fp32 (16 bytes per trainable parameter): see --dry_run")
+    return errors, warnings_
 
 
 def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size):
@@ -180,7 +225,8 @@ def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_o
     return model
 
 
-def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size):
+def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size,
+                 on_meta=False):
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -203,6 +249,10 @@ def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_o
         # and state dicts. Entirely frozen models (a reference copy) are fine.
         raise ValueError("--fsdp_version 1 with --fsdp_sharding_strategy no_shard (or hybrid_full with one rank "
                          "per shard group) does not work with frozen parameters (LoRA); use --fsdp_version 2")
+    if on_meta:
+        # FSDP1 materialises one unit at a time (then flattens and shards it): never the whole model per rank
+        init_device = torch.device("cpu") if cpu_offload and device.type != "cpu" else device
+        kwargs["param_init_fn"] = lambda module: module.to_empty(device=init_device, recurse=False)
     mp = None
     if mixed_precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32,
@@ -234,12 +284,25 @@ def autocast(mixed_precision: str, device: torch.device | str | None = None):
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """FSDP2: reduce-scatter gradients in this backward (True) or keep accumulating them locally (False).
+def resolve_gradient_sync(mode: str, is_lora: bool) -> str:
+    """``--gradient_sync``: 'auto' -> 'step' for LoRA, 'backward' for a full fine-tune; 'step' with a full
+    fine-tune is refused (it keeps an unsharded fp32 copy of every gradient on every rank; see the module doc)."""
+    if mode == "auto":
+        return "step" if is_lora else "backward"
+    if mode not in GRADIENT_SYNC_MODES:
+        raise ValueError(f"--gradient_sync {mode!r} is not supported; use auto, backward or step")
+    if mode == "step" and not is_lora:
+        raise ValueError("--gradient_sync step keeps unsharded fp32 gradients of the whole transformer on every rank "
+                         "between backwards (4 bytes x parameters: ~48 GB for FLUX.1-dev); for a full fine-tune use "
+                         "--gradient_sync backward (or auto)")
+    return mode
 
-    Lets a trainer run many backwards per optimizer step (micro-batches x timesteps) with one reduction, on the
-    last backward of the cycle. A no-op for FSDP1 (its ``no_sync`` keeps unsharded gradients: too much memory
-    for FLUX) and for plain modules.
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients in this backward (True) or keep accumulating them unsharded (False).
+
+    ``False`` on every backward of a cycle but the last is the ``--gradient_sync step`` mode (LoRA only: see the
+    module doc for what it costs). A no-op for FSDP1 (always reduces) and for plain modules.
     """
     if fsdp_version_of(model) == 2:
         model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
@@ -300,15 +363,41 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         sd = get_model_state_dict(model, options=options)
     else:
-        # FSDP1: (a) its rank-0 CPU-offload gather is known to segfault when the parameters live on the CPU, so
-        # there every rank gathers (the tensors are on the CPU already) and only rank 0 keeps them; (b)
-        # ignore_frozen_params + cpu_offload raises KeyError on ranks > 0 (torch bug), so frozen params are
-        # gathered (FSDP1 gathers whole flat params anyway) and filtered here.
-        on_cpu = any(p.device.type == "cpu" for p in model.parameters())
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu))
+        sd = _fsdp1_full_state_dict(model, frozen)
     if not distributed.is_main_process():
         return {}
     return {k: v.detach().to("cpu", copy=True) for k, v in sd.items() if k not in frozen}
+
+
+def _fsdp1_full_state_dict(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+    """FSDP1: gather one FSDP unit at a time; rank 0 keeps CPU copies, the others never hold more than one unit.
+
+    (FSDP1's own full-state-dict gather either materialises everything on every rank, or, rank-0-only with CPU
+    offload, segfaults when the parameters live on the CPU.) Units whose parameters are all in ``skip`` (frozen
+    under LoRA) are not gathered.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    main = distributed.is_main_process()
+    out: dict[str, torch.Tensor] = {}
+    owned: set[str] = set()
+    for unit_name, unit in model.named_modules():
+        if not isinstance(unit, FSDP) or unit._handle is None:
+            continue
+        prefix = clean_name(unit_name + ".") if unit_name else ""
+        fqns = list(unit._handle.flat_param._fqns)
+        owned.update(clean_name(prefix + f) for f in fqns)
+        if all(clean_name(prefix + f) in skip for f in fqns):
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            if main:
+                for fqn in fqns:
+                    out[clean_name(prefix + fqn)] = unit.module.get_parameter(fqn).detach().to("cpu", copy=True)
+    if main:
+        for name, buf in model.named_buffers():
+            if clean_name(name) not in owned:
+                out[clean_name(name)] = buf.detach().to("cpu", copy=True)
+    return out
 
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")

@@ -9,7 +9,11 @@ The CLIP tokenizer is the real CLIP BPE (converted from the vocabulary file open
 prompts tokenize exactly as for FLUX.1-dev's CLIP. The T5 tokenizer is a small Unigram model whose
 pieces come from the same BPE vocabulary (T5 layout: ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2).
 
-CLI: ``python -m fastvideo.tiny --preset {tiny,bench,hps-tiny} --out DIR [--seed N]``.
+``--preset flux-dev-config`` (``write_flux_dev_config``) instead writes FLUX.1-dev's real component configs
+with no weights at all (a few MB, no download), for tools that instantiate the full-size models on the meta
+device (memory planning); its ``tokenizer_2/`` is the small T5 tokenizer above, not FLUX.1-dev's.
+
+CLI: ``python -m fastvideo.tiny --preset {tiny,bench,hps-tiny,flux-dev-config} --out DIR [--seed N]``.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import shutil
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,6 +47,91 @@ FLUX_SCHEDULER_CONFIG = {
 CLIP_VOCAB_SIZE = 49408  # 256 bytes + 256 end-of-word bytes + 48894 merges + 2 specials
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 T5_VOCAB_SIZE = 16384
+
+FLUX_DEV_CONFIG_PRESET = "flux-dev-config"
+INFO_FILE = "tiny_flux.json"  # what a fastvideo.tiny folder is: preset, seed / "weights": false, ...
+
+# FLUX.1-dev's component configs (black-forest-labs/FLUX.1-dev, diffusers layout), as constructor kwargs.
+FLUX_DEV_TRANSFORMER_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": None,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+FLUX_DEV_VAE_CONFIG = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (128, 256, 512, 512),
+    "layers_per_block": 2,
+    "act_fn": "silu",
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "latents_mean": None,
+    "latents_std": None,
+    "force_upcast": True,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+}
+# CLIP ViT-L/14 text tower; bos/eos/pad ids are the (stale) ones of openai/clip-vit-large-patch14's config.
+FLUX_DEV_CLIP_CONFIG = {
+    "architectures": ["CLIPTextModel"],
+    "vocab_size": CLIP_VOCAB_SIZE,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "projection_dim": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+    "attention_dropout": 0.0,
+    "dropout": 0.0,
+    "initializer_factor": 1.0,
+    "initializer_range": 0.02,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "dtype": "bfloat16",
+}
+# T5-v1.1-XXL (google/t5-v1_1-xxl), of which FLUX uses the encoder.
+FLUX_DEV_T5_CONFIG = {
+    "architectures": ["T5EncoderModel"],
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_decoder_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "dropout_rate": 0.1,
+    "classifier_dropout": 0.0,
+    "layer_norm_epsilon": 1e-6,
+    "initializer_factor": 1.0,
+    "feed_forward_proj": "gated-gelu",  # => dense_act_fn "gelu_new", is_gated_act true
+    "is_encoder_decoder": True,
+    "use_cache": True,
+    "output_past": True,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+    "dtype": "bfloat16",
+}
 
 
 @dataclass(frozen=True)
@@ -320,18 +410,15 @@ def _write_folder(tmp: Path, p: TinyPreset, seed: int) -> None:
     save_t5_tokenizer(tmp / "tokenizer_2")
     (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2, sort_keys=True) + "\n")
     info = {"preset": asdict(p), "seed": seed, "vae_scale_factor": p.vae_scale_factor, "seq_len": p.seq_len}
-    (tmp / "tiny_flux.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_flux(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a seeded tiny FLUX folder in the FLUX.1-dev layout to ``out_dir`` and return its path.
+def _write_atomically(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a temporary sibling of ``out_dir`` and rename it into place (no half-written folder).
 
-    The folder is written to a temporary sibling and renamed into place, so concurrent builders (e.g.
-    several ranks) never see a half-written folder. Raises FileExistsError if ``out_dir`` is non-empty.
+    Concurrent builders (e.g. several ranks) never see a partial folder; if another one renamed first, its
+    folder is kept. Raises FileExistsError if ``out_dir`` is non-empty.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown tiny FLUX preset {preset!r}: choose one of {sorted(PRESETS)}")
-    p = PRESETS[preset]
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} already exists and is not empty: remove it or choose another output folder")
@@ -341,7 +428,7 @@ def build_tiny_flux(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
         shutil.rmtree(tmp)
 
     try:
-        _write_folder(tmp, p, seed)
+        write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -357,12 +444,75 @@ def build_tiny_flux(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     return out
 
 
+def build_tiny_flux(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a seeded tiny FLUX folder in the FLUX.1-dev layout to ``out_dir`` and return its path.
+
+    The folder is written to a temporary sibling and renamed into place, so concurrent builders (e.g.
+    several ranks) never see a half-written folder. Raises FileExistsError if ``out_dir`` is non-empty.
+    """
+    if preset == FLUX_DEV_CONFIG_PRESET:
+        raise ValueError(f"preset {preset!r} has configs but no weights, so it is not a tiny FLUX folder: "
+                         f"call write_flux_dev_config(out_dir) (CLI: --preset {FLUX_DEV_CONFIG_PRESET})")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny FLUX preset {preset!r}: choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    return _write_atomically(out_dir, lambda tmp: _write_folder(tmp, p, seed))
+
+
+def _write_flux_dev_config_folder(tmp: Path) -> None:
+    """Save FLUX.1-dev's configs (no weights) into ``tmp``; models are built on the meta device, so no memory."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, T5Config
+
+    # Instantiating (on meta) lets diffusers fill in and serialise the config exactly as save_pretrained would.
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**FLUX_DEV_TRANSFORMER_CONFIG)
+        vae = AutoencoderKL(**FLUX_DEV_VAE_CONFIG)
+    transformer.save_config(tmp / "transformer")
+    vae.save_config(tmp / "vae")
+    del transformer, vae
+    CLIPTextConfig(**FLUX_DEV_CLIP_CONFIG).save_pretrained(tmp / "text_encoder")
+    # transformers >= 5 writes tie_word_embeddings true + scale_decoder_outputs false for this (same model).
+    T5Config(**FLUX_DEV_T5_CONFIG).save_pretrained(tmp / "text_encoder_2")
+    FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG).save_pretrained(tmp / "scheduler")
+    save_clip_tokenizer(tmp / "tokenizer")  # the real CLIP BPE: same ids as FLUX.1-dev's tokenizer
+    save_t5_tokenizer(tmp / "tokenizer_2")
+    (tmp / "tokenizer_2" / "README.txt").write_text(
+        f"NOT FLUX.1-dev's T5 tokenizer: the small {T5_VOCAB_SIZE}-piece stand-in of fastvideo.tiny (the real "
+        "one, google/t5-v1_1-xxl's spiece.model, is not available offline). Same special ids (pad 0, </s> 1, "
+        "unk 2) and every id < 32128, but other prompt token ids: do not use it to encode real prompts.\n")
+    (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2, sort_keys=True) + "\n")
+    info = {
+        "preset": FLUX_DEV_CONFIG_PRESET,
+        "weights": False,
+        "source": "black-forest-labs/FLUX.1-dev (configs only)",
+        "vae_scale_factor": 2 ** (len(FLUX_DEV_VAE_CONFIG["block_out_channels"]) - 1),
+        "tokenizer_2": f"stand-in, not FLUX.1-dev's: fastvideo.tiny T5 tokenizer with {T5_VOCAB_SIZE} pieces",
+    }
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def write_flux_dev_config(out_dir: str | os.PathLike) -> Path:
+    """Write FLUX.1-dev's diffusers layout with its real configs and no weights to ``out_dir``; return the path.
+
+    For instantiating the full-size models on the meta device (memory planning) without the 24 GB download:
+    every ``config.json``, ``scheduler/``, ``model_index.json`` and the real CLIP tokenizer are FLUX.1-dev's,
+    there is no ``*.safetensors`` anywhere, ``tokenizer_2/`` is a stand-in (not FLUX.1-dev's T5 vocabulary;
+    see its README.txt) so the layout is complete, and ``tiny_flux.json`` says ``"weights": false``.
+    Written atomically like build_tiny_flux; FileExistsError if ``out_dir`` is non-empty.
+    """
+    return _write_atomically(out_dir, _write_flux_dev_config_folder)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: build a tiny FLUX folder (or a tiny HPS reward model with --preset hps-tiny)."""
-    parser = argparse.ArgumentParser(description="Build a tiny, randomly initialised model folder (seeded).")
-    parser.add_argument("--preset", choices=[*PRESETS, "hps-tiny"], default="tiny",
+    """CLI entry point: build a tiny FLUX folder (a tiny HPS reward model / FLUX.1-dev configs by preset)."""
+    parser = argparse.ArgumentParser(description="Build a tiny, randomly initialised model folder (seeded), "
+                                                 "or FLUX.1-dev's configs without weights.")
+    parser.add_argument("--preset", choices=[*PRESETS, "hps-tiny", FLUX_DEV_CONFIG_PRESET], default="tiny",
                         help="tiny: ~0.1M-param FLUX at 64px; bench: ~10M-param FLUX at 256px; "
-                             "hps-tiny: a tiny open_clip HPS reward checkpoint")
+                             "hps-tiny: a tiny open_clip HPS reward checkpoint; "
+                             f"{FLUX_DEV_CONFIG_PRESET}: FLUX.1-dev's real configs, no weights (for meta-device "
+                             "memory planning; --seed is ignored)")
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed => same files)")
     args = parser.parse_args(argv)
@@ -370,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
         from fastvideo.rewards.hpsv2 import build_tiny_hps
 
         path = build_tiny_hps(args.out, seed=args.seed)
+    elif args.preset == FLUX_DEV_CONFIG_PRESET:
+        path = write_flux_dev_config(args.out)
     else:
         path = build_tiny_flux(args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {path}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import flux, lora, parallel
+from fastvideo import flux, lora, parallel, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -52,30 +51,67 @@ class Policy:
 
 
 def build_policy(args: argparse.Namespace, device: torch.device, *, need_reference: bool) -> Policy:
-    """Load the transformer, add LoRA (rank > 0) or train it whole, keep a reference if needed, shard, EMA.
+    """Build the transformer on the meta device, add LoRA (rank > 0) or train it whole, shard, load each rank's
+    shards from the safetensors, keep a frozen reference if needed, EMA.
 
-    Build the optimizer right after this (FSDP2 swaps parameters for DTensors here).
+    No rank ever holds the whole model (DESIGN principle 8): host RAM per node is ~1x the fp32 model. The reference
+    of a full fine-tune is loaded the same way, in the compute dtype (bf16 on accelerators), never copied from the
+    trained weights. Build the optimizer right after this (FSDP2 swaps parameters for DTensors here).
     """
-    transformer = flux.load_transformer(args.pretrained_model_name_or_path, dtype=torch.float32, device="cpu")
+    transformer = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
     config = dict(transformer.config)
     is_lora = args.lora_rank > 0
-    frozen_ref = None
+    adapter_init = {}
     if is_lora:
         lora.add_lora(transformer, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
                       target_modules=args.lora_target_modules, init_seed=args.seed)
-    elif need_reference:
-        frozen_ref = copy.deepcopy(transformer).requires_grad_(False).eval()
+        adapter_init = lora.initial_adapter_weights(transformer, args.seed)  # shapes read before sharding
     transformer.train()
     shard_kwargs = dict(fsdp_version=args.fsdp_version, sharding_strategy=args.fsdp_sharding_strategy,
                         mixed_precision=_fsdp_precision(args.mixed_precision, device),
                         cpu_offload=args.use_cpu_offload)
-    # shard_model moves the (CPU) model to the device block by block; never materialise it whole per GPU
     transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
                                        **shard_kwargs)
-    if frozen_ref is not None:
-        frozen_ref = parallel.shard_model(frozen_ref, gradient_checkpointing=False, **shard_kwargs)
+    folder = flux.transformer_folder(args.pretrained_model_name_or_path)
+    weights.load_safetensors_into(transformer, folder, skip=adapter_init.__contains__)
+    if adapter_init:
+        weights.fill_local_shards(transformer, adapter_init)
+    frozen_ref = None
+    if need_reference and not is_lora:
+        ref_dtype = compute_dtype(args.mixed_precision, device) or torch.float32
+        frozen_ref = flux.build_transformer(args.pretrained_model_name_or_path, dtype=ref_dtype)
+        frozen_ref = parallel.shard_model(frozen_ref.requires_grad_(False).eval(), gradient_checkpointing=False,
+                                          **shard_kwargs)
+        weights.load_safetensors_into(frozen_ref, folder)
     ema = ckpt.EMA(transformer, decay=args.ema_decay) if args.use_ema else None
     return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config)
+
+
+def check_memory_flags(args: argparse.Namespace, world_size: int, device: torch.device) -> None:
+    """Refuse memory flags that cannot take effect in this job (ValueError), print those that are no-ops; on every
+    rank, before any model is loaded."""
+    errors, warnings_ = parallel.memory_flag_problems(world_size, device.type, args.use_cpu_offload,
+                                                      compute_dtype(args.mixed_precision, device) is not None)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if D.is_main_process():
+        for w in warnings_:
+            print(f"warning: {w}", flush=True)
+
+
+def dry_run(args: argparse.Namespace, validate, plan) -> None:
+    """``--dry_run``: validate the flags for the planned world size, print the batch arithmetic and the memory plan
+    (``plan(args, counts, world, device_type)``), exit. Needs no process group, no GPU and no weights: a folder of
+    configs (``python -m fastvideo.tiny --preset flux-dev-config``) is enough."""
+    import os
+
+    world = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    device_type = (args.device or D.pick_device_type()).split(":")[0]
+    counts = validate(args, world)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
+    print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
 
 
 def _fsdp_precision(mixed_precision: str, device: torch.device) -> str:

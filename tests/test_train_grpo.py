@@ -16,7 +16,7 @@ from helpers import REPO, run_torchrun
 from fastvideo.logging import read_metrics
 
 # Keys whose values are wall-clock or memory readings: they legitimately differ between runs.
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb")
+TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
 
 
 def common_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -77,7 +77,7 @@ def test_short_run_writes_every_metric(lora_run):
     required = {"reward_mean", "reward_std", "reward_jpeg_compressibility", "adv_mean", "adv_std", "adv_abs_max",
                 "zero_std_group_frac", "loss", "ratio_mean", "ratio_min", "ratio_max", "ratio_first_update",
                 "clipfrac", "approx_kl", "kl", "grad_norm", "skipped_updates", "lr", "time_rollout", "time_decode",
-                "time_reward", "time_train", "samples_per_s", "peak_memory_gb"}
+                "time_reward", "time_train", "samples_per_s", "peak_memory_gb", "memory_baseline_gb"}
     for row in rows:
         missing = required - row.keys()
         assert not missing, f"metrics missing {missing}"

@@ -1,0 +1,345 @@
+"""Per-rank memory plan of a training run, computed from the model folder's configs without reading weights.
+
+``--dry_run`` prints it. Model states are counted in bytes from the transformer built on the meta device (with its
+LoRA adapters); activations are measured by running the real diffusers modules on the meta device under a
+dispatch mode that tracks the bytes of live tensors (saved-for-backward tensors, transients, recomputation under
+gradient checkpointing), with scaled-dot-product attention accounted as a flash kernel (the output and a
+log-sum-exp are kept, never the T x T matrix), as on GPUs. The plan is the persistent states plus the largest
+phase (rollout, decode, train).
+
+What it does not see: the caching allocator's fragmentation (GPU), communication buffers of NCCL, the CUDA
+context (~0.5-1 GB per GPU) and the Python runtime; the README's "what fits" table leaves headroom for them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+GiB = 2**30
+
+# Parameters of the reward models (fp32 on the device): facts of the published architectures (open_clip ViT-H-14
+# image + text towers for HPS v2 / PickScore / CLIP score; ViT-L/14 + the LAION MLP for the aesthetic score).
+REWARD_PARAMS = {"hpsv2": 986_109_440, "pickscore": 986_109_440, "clipscore": 986_109_440,
+                 "aesthetic": 427_616_513 + 1_010_000, "jpeg_compressibility": 0, "jpeg_incompressibility": 0}
+
+
+@dataclass
+class PlanItem:
+    """One line of the plan: bytes per rank on the accelerator (or the CPU for a CPU job) and in host RAM."""
+
+    name: str
+    device: float
+    host: float = 0.0
+    phase: str = "persistent"  # persistent | rollout | decode | train
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """The items of one rank, and the facts they were computed from."""
+
+    items: list[PlanItem]
+    facts: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def phase_total(self, phase: str) -> float:
+        return sum(i.device for i in self.items if i.phase == phase)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(("rollout", "decode", "train"), key=self.phase_total)
+
+    @property
+    def device_peak(self) -> float:
+        """Bytes per rank at the peak: persistent states + the largest phase."""
+        return self.phase_total("persistent") + self.phase_total(self.peak_phase)
+
+    @property
+    def host_per_rank(self) -> float:
+        return sum(i.host for i in self.items)
+
+    def format(self, device_memory_gb: float | None = None) -> str:
+        """The plan as a text table (GiB per rank)."""
+        f = self.facts
+        lines = [f"memory plan per rank ({f['device_type']}, world size {f['world_size']}, shard group "
+                 f"{f['shard_size']}, {f['mode']}, compute {f['compute_dtype']}): transformer "
+                 f"{f['params'] / 1e9:.3f}B params, {f['trainable'] / 1e9:.4f}B trainable; micro-batch "
+                 f"{f['train_batch_size']} x ({f['image_tokens']} image + {f['text_tokens']} text tokens)",
+                 f"  {'item':<56}{'phase':<12}{'device GiB':>11}{'host GiB':>10}  note"]
+        for i in self.items:
+            lines.append(f"  {i.name:<56}{i.phase:<12}{i.device / GiB:>11.2f}{i.host / GiB:>10.2f}  {i.note}")
+        peak = self.device_peak / GiB
+        lines.append(f"  {'peak per rank = persistent + ' + self.peak_phase:<68}{peak:>11.2f}"
+                     f"{self.host_per_rank / GiB:>10.2f}")
+        if device_memory_gb:
+            verdict = "fits" if peak <= device_memory_gb else "does NOT fit"
+            lines.append(f"  {verdict} in {device_memory_gb:g} GiB per device ({device_memory_gb - peak:+.1f} GiB "
+                         "headroom before allocator fragmentation, NCCL buffers and the CUDA context)")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- measuring activations on meta
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Tracks the bytes of live tensor storages created while active (peak and current)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if key in self._seen:
+            self._seen.discard(key)
+            self.live -= nbytes
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Memory stand-in for a flash SDPA kernel: keeps q, k, v, out and the log-sum-exp; no T x T matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # (B, H, T, D)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FlashAttention.apply(query, key, value)
+
+
+@contextmanager
+def _meta_measurement() -> Iterator[_LiveBytes]:
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_sdpa
+    try:
+        with _LiveBytes() as meter:
+            yield meter
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
+                                 dtype: torch.dtype, *, train: bool) -> int:
+    """Peak bytes of live activations for one forward (and backward when ``train``) of a meta-device FLUX
+    transformer on ``batch`` samples. Parameter gradients are dropped as soon as they are accumulated (FSDP
+    reduce-scatters them per unit; that unit's gradient is planned separately)."""
+    config = model.config
+    handles = []
+    if train:
+        for p in model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)))
+    meta = torch.device("meta")
+    inputs = dict(
+        hidden_states=torch.empty(batch, image_tokens, config.in_channels, device=meta, dtype=dtype),
+        encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, device=meta, dtype=dtype),
+        pooled_projections=torch.empty(batch, config.pooled_projection_dim, device=meta, dtype=dtype),
+        timestep=torch.empty(batch, device=meta),
+        guidance=torch.empty(batch, device=meta) if config.guidance_embeds else None,
+        img_ids=torch.empty(image_tokens, 3, device=meta), txt_ids=torch.empty(text_tokens, 3, device=meta),
+        return_dict=False)
+    try:
+        with _meta_measurement() as meter, torch.set_grad_enabled(train):
+            out = model(**inputs)[0].float()
+            if train:
+                out.square().mean().backward()
+            del out
+        return meter.peak
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def vae_decode_bytes(vae_config: dict, batch: int, latent_h: int, latent_w: int, dtype: torch.dtype) -> int:
+    """Peak bytes of live tensors while decoding ``batch`` latents with the VAE (no grad), on the meta device."""
+    from diffusers import AutoencoderKL
+
+    config = {k: v for k, v in vae_config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        vae = _cast_quietly(AutoencoderKL.from_config(config), dtype).eval()
+    z = torch.empty(batch, config["latent_channels"], latent_h, latent_w, device="meta", dtype=dtype)
+    with _meta_measurement() as meter, torch.no_grad():
+        image = vae.decode(z, return_dict=False)[0]
+        del image
+    return meter.peak
+
+
+def _cast_quietly(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` on the meta device without diffusers' warning about fp32 modules (FLUX has none)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.to(dtype)
+    return model
+
+
+def _param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def _text_tokens(args: argparse.Namespace) -> int:
+    path = getattr(args, "data_json_path", None)
+    if path:
+        manifest = Path(path) / "manifest.json" if Path(path).is_dir() else Path(path)
+        if manifest.is_file():
+            return int(json.loads(manifest.read_text()).get("max_sequence_length", 512))
+    return 512
+
+
+def _shard_size(strategy: str, world: int) -> int:
+    if world == 1 or strategy == "no_shard":
+        return 1
+    if strategy == "hybrid_full":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", min(world, 8)))
+    return world
+
+
+def plan_grpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str) -> MemoryPlan:
+    """The memory plan of ``train_grpo_flux.py`` with these (validated) flags on ``world_size`` ranks."""
+    from fastvideo import flux, lora
+    from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
+    from fastvideo.training import compute_dtype
+
+    amp = compute_dtype(args.mixed_precision, torch.device(device_type))
+    cdt = amp or torch.float32
+    c = torch.empty((), dtype=cdt).element_size()  # bytes per element in compute
+    model = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+    is_lora = args.lora_rank > 0
+    if is_lora:
+        lora.add_lora(model, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
+                      target_modules=args.lora_target_modules)
+    n_all, n_train = _param_count(model), _param_count(model, trainable_only=True)
+    classes = block_classes(model)
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    unit = max(_param_count(b) for b in blocks)
+    unit_train = max(_param_count(b, trainable_only=True) for b in blocks)
+    root = n_all - sum(_param_count(b) for b in blocks)
+
+    world = world_size
+    shard = _shard_size(args.fsdp_sharding_strategy, world)
+    sharded = world > 1
+    offload = args.use_cpu_offload and sharded and device_type != "cpu"
+    sync = resolve_gradient_sync(getattr(args, "gradient_sync", "auto"), is_lora)
+    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+    L, T, B = geometry.seq_len, _text_tokens(args), counts["samples_per_rank"]
+    S = args.sampling_steps
+    joint = model.config.joint_attention_dim
+    items: list[PlanItem] = []
+
+    def state(name: str, nbytes: float, note: str) -> None:
+        items.append(PlanItem(name, 0.0 if offload else nbytes, nbytes if offload else 0.0, "persistent", note))
+
+    state("parameters (fp32 master, sharded)", 4 * n_all / shard, f"4 B x {n_all / 1e9:.2f}B / {shard}")
+    state("AdamW state (fp32 exp_avg + exp_avg_sq)", 8 * n_train / shard, "8 B x trainable / shard group")
+    if args.use_ema:
+        state("EMA (fp32, sharded)", 4 * n_train / shard, "4 B x trainable / shard group")
+    if args.kl_beta > 0 and not is_lora:
+        state("reference policy (frozen, compute dtype)", c * n_all / shard,
+              f"{c} B x params / shard group, loaded from the folder")
+    elif args.kl_beta > 0:
+        items.append(PlanItem("reference policy", 0.0, note="LoRA disabled: no extra weights"))
+    # gradients live through the update phase
+    items.append(PlanItem("gradients (fp32, sharded)", 0.0 if offload else 4 * n_train / shard,
+                          4 * n_train / shard if offload else 0.0, "train", "4 B x trainable / shard group"))
+    if sync == "step" and sharded:
+        items.append(PlanItem("unsharded gradient accumulation (--gradient_sync step)", 4 * n_train, 0.0, "train",
+                              "FSDP2 keeps fp32 unsharded grads between backwards"))
+    if sharded:
+        gathered = n_all if args.fsdp_sharding_strategy == "shard_grad_op" else root + 2 * unit
+        note = "whole model between forward and backward" if args.fsdp_sharding_strategy == "shard_grad_op" \
+            else "root + 2 blocks (prefetch)"
+        items.append(PlanItem("gathered parameters (compute dtype)", c * gathered, phase="train", note=note))
+        items.append(PlanItem("gathered parameters in rollout", c * (root + 2 * unit), phase="rollout",
+                              note="root + 2 blocks"))
+        items.append(PlanItem("one block's unsharded gradient + fp32 reduce copy", (c + 4) * unit_train,
+                              phase="train", note="freed after its reduce-scatter"))
+    elif amp is not None:
+        items.append(PlanItem("autocast weight copies (world size 1)", c * n_all, phase="train",
+                              note="bf16 copies cached for backward"))
+
+    # activations, measured on the meta device in the compute dtype
+    sim = model if cdt == torch.float32 else _cast_quietly(model, cdt)
+    if args.gradient_checkpointing:
+        sim.enable_gradient_checkpointing()
+    micro = args.train_batch_size
+    act = transformer_activation_bytes(sim, micro, L, T, cdt, train=True)
+    items.append(PlanItem(f"activations, micro-batch of {micro}", act, phase="train",
+                          note="with gradient checkpointing" if args.gradient_checkpointing else
+                          "no gradient checkpointing"))
+    if args.kl_beta > 0:
+        ref_act = transformer_activation_bytes(sim, micro, L, T, cdt, train=False)
+        items.append(PlanItem("reference forward (no grad)", ref_act, phase="train", note="transient"))
+    rb = min(args.rollout_batch_size, B)
+    items.append(PlanItem(f"rollout forward (no grad), batch of {rb}",
+                          transformer_activation_bytes(sim, rb, L, T, cdt, train=False), phase="rollout"))
+    del sim, model
+
+    # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
+    C = geometry.packed_channels
+    buffers = 4 * B * (S + 2) * L * C + 4 * B * 3 * args.h * args.w
+    items.append(PlanItem("rollout buffers: latents B x (S+1) x L x C, images", buffers,
+                          4 * B * S * L * C, "persistent", f"B={B} S={S} L={L} C={C}; host: SDE noise"))
+    items.append(PlanItem("text embeddings of this rank's samples (fp32)", 4 * B * (T * joint + 768), 0.0,
+                          "persistent"))
+    vae_config = json.loads((flux.check_model_folder(args.pretrained_model_name_or_path, ("vae",)) / "vae"
+                             / "config.json").read_text())
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae_params = _param_count(AutoencoderKL.from_config(
+            {k: v for k, v in vae_config.items() if not k.startswith("_")}))
+    items.append(PlanItem("VAE (fp32, frozen)", 4 * vae_params, phase="persistent",
+                          note=f"{vae_params / 1e6:.1f}M params"))
+    items.append(PlanItem(f"VAE decode, batch of {rb}", vae_decode_bytes(vae_config, rb, geometry.latent_h,
+                                                                        geometry.latent_w, torch.float32),
+                          phase="decode", note="fp32, no grad"))
+    from fastvideo.rewards import parse_reward_spec
+
+    for name, _ in parse_reward_spec(args.reward):
+        params = REWARD_PARAMS.get(name, 0)
+        if params:
+            items.append(PlanItem(f"reward model {name} (fp32, frozen)", 4 * params, phase="persistent",
+                                  note=f"{params / 1e6:.0f}M params"))
+    if device_type == "cpu":  # one memory: host items count on the "device"
+        for item in items:
+            item.device, item.host = item.device + item.host, 0.0
+    errors, warnings_ = memory_flag_problems(world, device_type, args.use_cpu_offload, amp is not None)
+    facts = dict(device_type=device_type, world_size=world, shard_size=shard, params=n_all, trainable=n_train,
+                 mode=f"LoRA rank {args.lora_rank}" if is_lora else "full fine-tune", compute_dtype=str(cdt)[6:],
+                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync)
+    return MemoryPlan(items, facts, errors + warnings_)

@@ -1,0 +1,218 @@
+"""Load weights straight into sharded parameters: every rank reads only the bytes of its own shards.
+
+The trainers build the transformer on the meta device, shard it (``parallel.shard_model`` materialises each rank's
+shards, uninitialised), then call ``load_safetensors_into``. A parameter's local part is a contiguous range of its
+row-major flattened elements — FSDP2 keeps a dim-0 chunk (rows ``[r0, r1)``), FSDP1 a flat slice of its
+FlatParameter, an unsharded model everything — so it is a contiguous byte range of the safetensors file, read
+with ``pread`` (no mmap: file pages never count against a rank's RSS). Host RAM per node is therefore the
+sharded model plus one read buffer, ~1x the model for any number of ranks, instead of one full copy per rank.
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    model = shard_model(model, ...)                              # shards materialised on the device
+    load_safetensors_into(model, "FLUX.1-dev/transformer")     # each rank: its rows of every tensor
+    fill_local_shards(model, {"x.lora_A.default.weight": full_tensor_fn})   # generated weights (LoRA init)
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor lives in a safetensors file: its dtype, shape and the byte offset of its first element."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _read_header(file: Path) -> dict[str, TensorRecord]:
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    base = 8 + length
+    records = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {entry['dtype']}, which this loader does not read; "
+                             "convert the checkpoint to bf16/fp32 safetensors")
+        records[name] = TensorRecord(file, _DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                     base + entry["data_offsets"][0])
+    return records
+
+
+def safetensors_index(folder: str | os.PathLike) -> dict[str, TensorRecord]:
+    """Every tensor of a diffusers component folder: one ``*.safetensors`` file, or the files its
+    ``*.safetensors.index.json`` names (FLUX.1-dev's transformer is three). Reads headers only."""
+    folder = Path(folder)
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors weights (only safetensors are read, shard by shard); "
+                                "convert .bin weights with diffusers' save_pretrained(safe_serialization=True)")
+    records: dict[str, TensorRecord] = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is named by {indexes[0].name} but missing: re-download the model")
+        records.update(_read_header(file))
+    return records
+
+
+def read_flat(record: TensorRecord, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the row-major flattened tensor, as a 1-D CPU tensor in the file's dtype."""
+    itemsize = torch.empty((), dtype=record.dtype).element_size()
+    count = max(0, stop - start)
+    out = torch.empty(count, dtype=record.dtype)
+    if count:
+        raw = out.view(torch.uint8).numpy()
+        with open(record.file, "rb", buffering=0) as f:
+            f.seek(record.offset + start * itemsize)
+            if f.readinto(memoryview(raw)) != raw.nbytes:
+                raise ValueError(f"{record.file} is truncated (reading a tensor at byte {record.offset}): "
+                                 "re-download the model")
+    return out
+
+
+@dataclass
+class LocalPiece:
+    """This rank's part of one parameter: elements ``[start, stop)`` of the flattened full tensor go to ``dest``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dest: torch.Tensor  # 1-D view of the local storage (stop - start elements)
+    start: int
+    stop: int
+
+
+def local_pieces(model: nn.Module) -> Iterator[LocalPiece]:
+    """Each parameter/buffer's local part (clean names, as in the diffusers state dict) on this rank."""
+    from fastvideo.parallel import clean_name, fsdp_version_of
+
+    if fsdp_version_of(model) == 1:
+        yield from _fsdp1_pieces(model)
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in named:
+        name = clean_name(name)
+        if isinstance(tensor, DTensor):
+            local = tensor._local_tensor
+            shape = tuple(tensor.shape)
+            local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+            if tuple(local_shape[1:]) != shape[1:] or any(offset[1:]):
+                raise NotImplementedError(f"{name}: only dim-0 sharding is supported (placements "
+                                          f"{tensor.placements})")
+            row = 1
+            for s in shape[1:]:
+                row *= s
+            start = offset[0] * row if local.numel() else 0
+            yield LocalPiece(name, shape, local.view(-1), start, start + local.numel())
+        else:
+            yield LocalPiece(name, tuple(tensor.shape), tensor.data.view(-1), 0, tensor.numel())
+
+
+def _fsdp1_pieces(model: nn.Module) -> Iterator[LocalPiece]:
+    """FSDP1 (use_orig_params): each FlatParameter shard holds flat slices of its original parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fastvideo.parallel import clean_name
+
+    owned: set[str] = set()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FSDP) or module._handle is None:
+            continue
+        flat = module._handle.flat_param
+        prefix = clean_name(module_name + ".") if module_name else ""
+        for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+            name = clean_name(prefix + fqn)
+            owned.add(name)
+            if info.in_shard:
+                dest = flat.data[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+                yield LocalPiece(name, tuple(shape), dest, info.intra_param_start_idx, info.intra_param_end_idx + 1)
+            else:
+                yield LocalPiece(name, tuple(shape), flat.data[:0], 0, 0)
+    for name, buf in model.named_buffers():
+        if clean_name(name) not in owned:
+            yield LocalPiece(clean_name(name), tuple(buf.shape), buf.data.view(-1), 0, buf.numel())
+
+
+@torch.no_grad()
+def load_safetensors_into(model: nn.Module, folder: str | os.PathLike,
+                          skip: Callable[[str], bool] = lambda name: False) -> int:
+    """Fill this rank's part of every parameter and buffer from the safetensors of ``folder``; returns the bytes read.
+
+    Strict like ``from_pretrained``: every tensor not ``skip``-ped (e.g. LoRA adapters, which the file lacks) must be
+    in the files with the same shape, and every tensor of the files must belong to the model. Values are cast to the
+    model's dtype (bf16 file -> fp32 master weights is exact). Works on a plain, FSDP2 or FSDP1 model.
+    """
+    index = safetensors_index(folder)
+    pieces = [p for p in local_pieces(model) if not skip(p.name)]
+    for piece in pieces:  # peft wraps adapted layers: "x.to_q.base_layer.weight" is the file's "x.to_q.weight"
+        piece.name = piece.name.replace(".base_layer.", ".")
+    names = {p.name for p in pieces}
+    missing, unexpected = sorted(names - set(index)), sorted(set(index) - names)
+    if missing or unexpected:
+        raise ValueError(f"the weights in {folder} do not match the model built from its config.json (missing "
+                         f"{missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}"
+                         f"{'...' if len(unexpected) > 3 else ''}): point --pretrained_model_name_or_path at an "
+                         "unmodified diffusers FLUX folder")
+    total = 0
+    for piece in pieces:
+        record = index[piece.name]
+        if record.shape != piece.shape:
+            raise ValueError(f"{piece.name}: file shape {record.shape} but the model expects {piece.shape}; the "
+                             f"config.json and weights of {folder} disagree")
+        data = read_flat(record, piece.start, piece.stop)
+        piece.dest.copy_(data)
+        total += data.numel() * data.element_size()
+    return total
+
+
+@torch.no_grad()
+def fill_local_shards(model: nn.Module, make: dict[str, Callable[[], torch.Tensor]]) -> None:
+    """Write generated full tensors (``name -> fn() -> full CPU tensor``) into this rank's part of those parameters.
+
+    Every rank calls ``fn`` and keeps its own slice, so the values do not depend on the sharding (used for the
+    seeded LoRA initialisation of a meta-built model). Raises if a name is not a parameter of the model.
+    """
+    found = set()
+    for piece in local_pieces(model):
+        if piece.name in make:
+            full = make[piece.name]()
+            if tuple(full.shape) != piece.shape:
+                raise ValueError(f"{piece.name}: generated shape {tuple(full.shape)} != parameter {piece.shape}")
+            piece.dest.copy_(full.reshape(-1)[piece.start:piece.stop])
+            found.add(piece.name)
+    if set(make) - found:
+        raise ValueError(f"fill_local_shards: no parameters named {sorted(set(make) - found)[:3]}")

@@ -1,0 +1,193 @@
+"""Memory measurements at 12B's shape, on small models (run by tests/test_memory.py; prints `RESULT {json}` lines).
+
+    grad_accum MODEL_DIR OUT        torchrun 2 ranks: bytes of gradients FSDP2 holds between the backwards of a
+                                    4-micro-batch accumulation cycle, --gradient_sync backward vs step, and the
+                                    resulting gradients vs a single-process reference
+    load MODEL_DIR new|old [KL]     1 process or torchrun: peak RSS increase while building + loading + sharding the
+                                    policy (training.build_policy = new; from_pretrained on every rank = old)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from fastvideo import distributed  # noqa: E402
+
+
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def _hwm_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
+
+
+def _result(obj: dict) -> None:
+    print("RESULT " + json.dumps({"rank": distributed.get_rank(), **obj}), flush=True)
+
+
+def _batch(config, n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens, text = 64, 16
+    side = int(tokens ** 0.5)
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)),
+                                     indexing="ij"), -1).reshape(-1, 3)
+    return dict(hidden_states=torch.randn(n, tokens, config.in_channels, generator=g),
+                encoder_hidden_states=torch.randn(n, text, config.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(n, config.pooled_projection_dim, generator=g),
+                timestep=torch.rand(n, generator=g), guidance=torch.full((n,), 3.5),
+                img_ids=ids, txt_ids=torch.zeros(text, 3), return_dict=False)
+
+
+def _fsdp_grad_bytes(model) -> tuple[int, int]:
+    """(bytes of unsharded gradients FSDP2 holds, bytes of sharded gradient shards) on this rank right now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unsharded = sharded = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                # sync off: fp32 params keep the unsharded param's .grad, bf16 ones an fp32 accumulated copy
+                unsharded_param = getattr(fp, "_unsharded_param", None)
+                for acc in (fp.unsharded_accumulated_grad,
+                            unsharded_param.grad if unsharded_param is not None else None):
+                    if acc is not None:
+                        unsharded += acc.numel() * acc.element_size()
+                grad = fp.sharded_param.grad
+                if grad is not None:
+                    local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+                    sharded += local.numel() * local.element_size()
+    return unsharded, sharded
+
+
+def grad_accum(model_dir: str, micro_batches: int = 4) -> None:
+    from fastvideo.flux import load_transformer
+    from fastvideo.parallel import set_gradient_sync, shard_model, transformer_blocks
+
+    info = distributed.init_distributed("cpu")
+    rank, world = info.rank, info.world_size
+    per_rank = 2
+    batches = [_batch(load_transformer(model_dir).config, per_rank * world, seed=10 + i) for i in range(micro_batches)]
+    # single-process reference: the mean over micro-batches of the whole-batch losses
+    ref = load_transformer(model_dir).train()
+    for b in batches:
+        (ref(**b)[0].square().mean() / micro_batches).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    full_bytes = 4 * sum(p.numel() for p in ref.parameters())
+    unit_bytes = 4 * max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(ref))
+    del ref
+
+    results = {}
+    for mode in ("backward", "step"):
+        torch.manual_seed(0)
+        model = shard_model(load_transformer(model_dir).train(), fsdp_version=2)
+        peak_unsharded = peak_total = 0
+        for i, b in enumerate(batches):
+            local = {k: (v[rank * per_rank:(rank + 1) * per_rank] if torch.is_tensor(v) and k not in
+                         ("img_ids", "txt_ids") else v) for k, v in b.items()}
+            set_gradient_sync(model, mode == "backward" or i == micro_batches - 1)
+            # each rank's loss is its share of the whole-batch mean; FSDP averages gradients over ranks
+            (model(**local)[0].square().mean() / micro_batches).backward()
+            if i < micro_batches - 1:  # between backwards of the cycle
+                unsharded, sharded = _fsdp_grad_bytes(model)
+                peak_unsharded = max(peak_unsharded, unsharded)
+                peak_total = max(peak_total, unsharded + sharded)
+        grads = full_state_dict_of_grads(model)
+        max_err = 0.0
+        if rank == 0:
+            max_err = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
+        results[mode] = {"peak_unsharded_bytes": peak_unsharded, "peak_grad_bytes": peak_total, "max_err": max_err,
+                         "grads": grads}
+        del model
+    if rank == 0:
+        step_vs_backward = max((results["step"]["grads"][n] - g).abs().max().item()
+                               for n, g in results["backward"]["grads"].items())
+    else:
+        step_vs_backward = 0.0
+    _result({"world": world, "full_fp32_grad_bytes": full_bytes, "unit_bytes": unit_bytes,
+             "step_vs_backward": step_vs_backward,
+             **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k != "grads"}})
+    distributed.cleanup()
+
+
+def full_state_dict_of_grads(model) -> dict[str, torch.Tensor]:
+    """Full gradients (rank 0) of an FSDP2 model: every rank takes part in the gathers."""
+    from torch.distributed.tensor import DTensor
+
+    from fastvideo.parallel import clean_name
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[clean_name(name)] = g.detach().clone()
+    return out
+
+
+def load(model_dir: str, how: str, kl: bool) -> None:
+    from fastvideo import training
+    from fastvideo.parallel import full_state_dict
+
+    info = distributed.init_distributed("cpu")
+    from diffusers import FluxTransformer2DModel  # noqa: F401  (library code lands before the baseline)
+    import peft  # noqa: F401
+
+    args = argparse.Namespace(pretrained_model_name_or_path=model_dir, lora_rank=0, lora_alpha=None,
+                              lora_target_modules=None, seed=0, fsdp_version=2, fsdp_sharding_strategy="full",
+                              mixed_precision="fp32", use_cpu_offload=False, gradient_checkpointing=False,
+                              use_ema=False, ema_decay=0.99)
+    distributed.barrier()
+    baseline = _rss_mib()
+    _reset_peak()
+    if how == "new":
+        policy = training.build_policy(args, info.device, need_reference=kl)
+        model = policy.model
+    else:  # what build_policy did before: every rank loads the whole fp32 model, then shards it
+        import copy
+
+        from fastvideo.flux import load_transformer
+        from fastvideo.parallel import shard_model
+
+        model = load_transformer(model_dir, dtype=torch.float32, device="cpu").train()
+        ref = copy.deepcopy(model).requires_grad_(False) if kl else None
+        model = shard_model(model)
+        if ref is not None:
+            ref = shard_model(ref)
+    peak = _hwm_mib() - baseline
+    distributed.barrier()
+    sd = full_state_dict(model)
+    digest = 0.0
+    if distributed.is_main_process():
+        from safetensors.torch import load_file
+
+        files = sorted((Path(model_dir) / "transformer").glob("*.safetensors"))
+        on_disk = {k: v for f in files for k, v in load_file(f).items()}
+        assert set(on_disk) == set(sd), "loaded keys differ from the file's"
+        digest = max((sd[k].float() - v.float()).abs().max().item() for k, v in on_disk.items())
+    _result({"world": info.world_size, "how": how, "kl": kl, "peak_rss_increase_mib": peak,
+             "max_abs_diff_vs_file": digest})
+    distributed.cleanup()
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "grad_accum":
+        grad_accum(sys.argv[2])
+    elif cmd == "load":
+        load(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "kl")
+    else:
+        raise SystemExit(f"unknown command {cmd}")
