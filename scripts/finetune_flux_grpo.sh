@@ -7,6 +7,8 @@
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs).
 # Everything after the script name is passed to train_grpo_flux.py and wins over the defaults below.
 # Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.
+# --dry_run prints the batch arithmetic and the per-rank memory plan for NPROC_PER_NODE x NNODES ranks and exits
+# (one process, no torchrun, no weights or embeddings needed; add --device cuda on a machine without GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -15,6 +17,8 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+DRY_RUN=0
+for arg in "$@"; do if [ "$arg" = "--dry_run" ]; then DRY_RUN=1; fi; done
 
 if [ -z "${MODEL_PATH:-}" ]; then
   # Embedded default: build the tiny FLUX folder and its embeddings if absent, then GRPO on the CPU
@@ -39,7 +43,7 @@ else
   DATA_JSON=${DATA_JSON:-$DATA_DIR/embeddings/manifest.json}
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo-flux}
   NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-  if [ ! -f "$DATA_JSON" ]; then
+  if [ ! -f "$DATA_JSON" ] && [ "$DRY_RUN" = 0 ]; then
     echo "no embeddings at $DATA_JSON: run MODEL_PATH=$MODEL_PATH PROMPT_FILE=... bash scripts/preprocess_flux_embeddings.sh first" >&2
     exit 1
   fi
@@ -57,5 +61,8 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 
+if [ "$DRY_RUN" = 1 ]; then
+  exec "$PYTHON" train_grpo_flux.py --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
+fi
 "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" train_grpo_flux.py "$@"

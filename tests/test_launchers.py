@@ -37,3 +37,19 @@ def test_grpo_launcher_with_model_path_needs_embeddings(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert "preprocess_flux_embeddings.sh" in proc.stderr
+
+
+def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
+    """`MODEL_PATH=... bash scripts/finetune_flux_grpo.sh --dry_run --device cuda` on a folder of FLUX.1-dev configs:
+    the recipe's plan for 8 ranks, without embeddings, weights, torchrun or a GPU, within 80 GiB per GPU."""
+    from fastvideo.tiny import write_flux_dev_config
+
+    folder = write_flux_dev_config(tmp_path / "flux-dev")
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL_PATH": str(folder), "DATA_DIR": str(tmp_path / "data"),
+           "OUTPUT_DIR": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--dry_run", "--device", "cuda"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world_size=8" in proc.stdout and "samples_per_rank=12" in proc.stdout
+    assert "world size 8" in proc.stdout and "fits in 80 GiB" in proc.stdout
+    assert not (tmp_path / "out").exists()

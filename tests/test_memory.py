@@ -92,7 +92,7 @@ def test_sharded_loading_rss(large_dir, kl):
     """Peak RSS increase while building, sharding and loading the policy (and the frozen reference of a full
     fine-tune with --kl_beta): the sum over 2 ranks <= 1.3 x one process; the old path (every rank loads the whole
     fp32 model) measured ~2x with the same probe; weights identical to the files on every path."""
-    extra = ["kl"] if kl else []
+    extra = ["--kl"] if kl else []
     single = results(run_single([SCRIPT, "load", str(large_dir), "new", *extra]))[0]
     two = results(run_torchrun([SCRIPT, "load", str(large_dir), "new", *extra], env=RSS_ENV))
     old = results(run_torchrun([SCRIPT, "load", str(large_dir), "old", *extra], env=RSS_ENV))
@@ -103,6 +103,24 @@ def test_sharded_loading_rss(large_dir, kl):
     assert total_new <= 1.3 * single["peak_rss_increase_mib"], (total_new, single)
     assert total_old >= 1.7 * single["peak_rss_increase_mib"], (total_old, single)  # the probe can fail
     assert single["max_abs_diff_vs_file"] == 0.0 and two[0]["max_abs_diff_vs_file"] == 0.0
+
+
+@pytest.mark.parametrize("flags", [["--fsdp_version", "2", "--strategy", "hybrid_full", "--lora_rank", "4"],
+                                   ["--fsdp_version", "1", "--strategy", "shard_grad_op"]],
+                         ids=["fsdp2-hybrid-lora", "fsdp1-shard_grad_op"])
+def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags):
+    r = results(run_torchrun([SCRIPT, "load", str(bench_dir), "new", *flags]))
+    assert r[0]["max_abs_diff_vs_file"] == 0.0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
+    """full_state_dict for the final export: rank 0 ends with the whole model; the other ranks never hold more than
+    an FSDP unit or two (FSDP1 used to gather everything on every rank when the parameters were on the CPU)."""
+    r = results(run_torchrun([SCRIPT, "export", str(large_dir), "--fsdp_version", str(version)], env=RSS_ENV))
+    model_mib = 100.28e6 * 4 / 2**20
+    assert r[0]["peak_rss_increase_mib"] >= 0.9 * model_mib and r[0]["max_abs_diff_vs_file"] == 0.0
+    assert r[1]["keys"] == 0 and r[1]["peak_rss_increase_mib"] <= 0.45 * model_mib, r[1]
 
 
 def test_safetensors_reader_matches_from_pretrained(bench_dir):

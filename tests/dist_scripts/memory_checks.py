@@ -3,8 +3,11 @@
     grad_accum MODEL_DIR OUT        torchrun 2 ranks: bytes of gradients FSDP2 holds between the backwards of a
                                     4-micro-batch accumulation cycle, --gradient_sync backward vs step, and the
                                     resulting gradients vs a single-process reference
-    load MODEL_DIR new|old [KL]     1 process or torchrun: peak RSS increase while building + loading + sharding the
-                                    policy (training.build_policy = new; from_pretrained on every rank = old)
+    load MODEL_DIR new|old [--kl] [--fsdp_version V] [--strategy S] [--lora_rank R]
+                                    1 process or torchrun: peak RSS increase while building + loading + sharding the
+                                    policy (training.build_policy = new; from_pretrained on every rank = old), and
+                                    the loaded weights vs the files
+    export MODEL_DIR [--fsdp_version V]   torchrun: peak RSS increase per rank while gathering the export
 """
 from __future__ import annotations
 
@@ -138,7 +141,27 @@ def full_state_dict_of_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def load(model_dir: str, how: str, kl: bool) -> None:
+def _policy_args(model_dir: str, fsdp_version: int = 2, strategy: str = "full", lora_rank: int = 0):
+    return argparse.Namespace(pretrained_model_name_or_path=model_dir, lora_rank=lora_rank, lora_alpha=None,
+                              lora_target_modules=None, seed=0, fsdp_version=fsdp_version,
+                              fsdp_sharding_strategy=strategy, mixed_precision="fp32", use_cpu_offload=False,
+                              gradient_checkpointing=False, use_ema=False, ema_decay=0.99)
+
+
+def _max_diff_vs_file(sd: dict, model_dir: str) -> float:
+    """Rank 0: largest |loaded - file| over every tensor (keys must match exactly)."""
+    if not distributed.is_main_process():
+        return 0.0
+    from safetensors.torch import load_file
+
+    files = sorted((Path(model_dir) / "transformer").glob("*.safetensors"))
+    on_disk = {k: v for f in files for k, v in load_file(f).items()}
+    sd = {k.replace(".base_layer.", "."): v for k, v in sd.items() if "lora_" not in k}
+    assert set(on_disk) == set(sd), f"loaded keys differ from the file's: {sorted(set(on_disk) ^ set(sd))[:4]}"
+    return max((sd[k].float() - v.float()).abs().max().item() for k, v in on_disk.items())
+
+
+def load(model_dir: str, how: str, kl: bool, fsdp_version: int, strategy: str, lora_rank: int) -> None:
     from fastvideo import training
     from fastvideo.parallel import full_state_dict
 
@@ -146,10 +169,7 @@ def load(model_dir: str, how: str, kl: bool) -> None:
     from diffusers import FluxTransformer2DModel  # noqa: F401  (library code lands before the baseline)
     import peft  # noqa: F401
 
-    args = argparse.Namespace(pretrained_model_name_or_path=model_dir, lora_rank=0, lora_alpha=None,
-                              lora_target_modules=None, seed=0, fsdp_version=2, fsdp_sharding_strategy="full",
-                              mixed_precision="fp32", use_cpu_offload=False, gradient_checkpointing=False,
-                              use_ema=False, ema_decay=0.99)
+    args = _policy_args(model_dir, fsdp_version, strategy, lora_rank)
     distributed.barrier()
     baseline = _rss_mib()
     _reset_peak()
@@ -169,25 +189,42 @@ def load(model_dir: str, how: str, kl: bool) -> None:
             ref = shard_model(ref)
     peak = _hwm_mib() - baseline
     distributed.barrier()
-    sd = full_state_dict(model)
-    digest = 0.0
-    if distributed.is_main_process():
-        from safetensors.torch import load_file
-
-        files = sorted((Path(model_dir) / "transformer").glob("*.safetensors"))
-        on_disk = {k: v for f in files for k, v in load_file(f).items()}
-        assert set(on_disk) == set(sd), "loaded keys differ from the file's"
-        digest = max((sd[k].float() - v.float()).abs().max().item() for k, v in on_disk.items())
     _result({"world": info.world_size, "how": how, "kl": kl, "peak_rss_increase_mib": peak,
-             "max_abs_diff_vs_file": digest})
+             "max_abs_diff_vs_file": _max_diff_vs_file(full_state_dict(model), model_dir)})
+    distributed.cleanup()
+
+
+def export(model_dir: str, fsdp_version: int) -> None:
+    """Peak RSS increase of each rank while gathering the full state dict for export (rank 0 keeps it)."""
+    from fastvideo import training
+    from fastvideo.parallel import full_state_dict
+
+    info = distributed.init_distributed("cpu")
+    model = training.build_policy(_policy_args(model_dir, fsdp_version), info.device, need_reference=False).model
+    distributed.barrier()
+    baseline = _rss_mib()
+    _reset_peak()
+    sd = full_state_dict(model)
+    peak = _hwm_mib() - baseline
+    distributed.barrier()
+    _result({"fsdp_version": fsdp_version, "peak_rss_increase_mib": peak, "keys": len(sd),
+             "max_abs_diff_vs_file": _max_diff_vs_file(sd, model_dir)})
     distributed.cleanup()
 
 
 if __name__ == "__main__":
-    cmd = sys.argv[1]
-    if cmd == "grad_accum":
-        grad_accum(sys.argv[2])
-    elif cmd == "load":
-        load(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "kl")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=("grad_accum", "load", "export"))
+    parser.add_argument("model_dir")
+    parser.add_argument("how", nargs="?", default="new", choices=("new", "old"))
+    parser.add_argument("--kl", action="store_true")
+    parser.add_argument("--fsdp_version", type=int, default=2)
+    parser.add_argument("--strategy", default="full")
+    parser.add_argument("--lora_rank", type=int, default=0)
+    cli = parser.parse_args()
+    if cli.command == "grad_accum":
+        grad_accum(cli.model_dir)
+    elif cli.command == "load":
+        load(cli.model_dir, cli.how, cli.kl, cli.fsdp_version, cli.strategy, cli.lora_rank)
     else:
-        raise SystemExit(f"unknown command {cmd}")
+        export(cli.model_dir, cli.fsdp_version)
