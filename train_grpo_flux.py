@@ -9,6 +9,7 @@ policy and back-propagate the clipped ratio loss -> clip grads -> optimizer step
 """
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from fastvideo.advantages import group_advantages
 from fastvideo.config import parse_grpo_args, save_config, validate_grpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.logging import MetricsLogger, current_memory_gb, peak_memory_gb, progress_bar, save_image_grid
-from fastvideo.losses import grpo_loss, kl_loss
+from fastvideo.losses import first_update_check, grpo_loss, kl_loss
 from fastvideo.memory import plan_grpo
 from fastvideo.parallel import clip_grad_norm, resolve_gradient_sync, set_gradient_sync
 from fastvideo.rewards import build_reward, parse_reward_spec
@@ -30,17 +31,21 @@ from fastvideo.seeding import NoiseSource, rng_state, seed_all, set_deterministi
 
 REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscore_processor", "clip_checkpoint",
                      "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model")
-# On-policy check: at the first update the policy is the rollout policy, so the ratio is 1 up to float noise
-# (~1e-7 fp32 CPU, ~1e-5 bf16 GPU); a larger gap is a bug worth shouting about.
-RATIO_WARN = 1e-3
 
 
 def main(argv: list[str] | None = None) -> None:
-    # ---- setup: flags and inputs first, before anything expensive -------------------------------
     args = parse_grpo_args(argv)
     if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
         return training.dry_run(args, validate_grpo, plan_grpo)
-    dist = D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
+    D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
+    with D.fail_fast():  # an error on one rank ends every rank within seconds, with its message
+        train(args)
+    D.cleanup()
+
+
+def train(args: argparse.Namespace) -> None:
+    # ---- setup: flags and inputs first, before anything expensive -------------------------------
+    dist = D.info()
     counts = validate_grpo(args, dist.world_size)
     training.check_memory_flags(args, dist.world_size, dist.device)
     parse_reward_spec(args.reward)
@@ -53,10 +58,12 @@ def main(argv: list[str] | None = None) -> None:
                                 sde_type=args.sde_type, eta=args.eta, shift=args.shift,
                                 guidance=args.guidance_scale, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range), init_same_noise=args.init_same_noise,
-                                decode_x0=args.decode_x0, batch_size=args.rollout_batch_size)
+                                decode_x0=args.decode_x0, batch_size=args.rollout_batch_size,
+                                last_step=args.last_step)
     config = training.run_config(args, counts)
     resume_dir = training.resolve_resume(args)
     if resume_dir is not None:
+        training.check_resume_step(resume_dir, args.max_train_steps)
         training.check_resume_config(config, training.saved_run_config(resume_dir))
     seed_all(args.seed)
     set_deterministic(args.deterministic)
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         expected_ids = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
         assert torch.equal(all_prompt_ids, expected_ids), "gathered samples are not in prompt-group order"
         adv_all, adv_metrics = group_advantages(all_rewards["total"], group_ids, global_std=args.global_std,
-                                                adv_clip_max=args.adv_clip_max)
+                                                adv_clip_max=args.adv_clip_max, eps=args.adv_eps)
         advantages = adv_all[dist.rank * n_local:(dist.rank + 1) * n_local].to(device)
 
         # ---- 4. policy update: micro-batches x trained timesteps, clipped ratio loss --------------
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio_all = D.all_gather_tensor(torch.cat(ratios).float().cpu())
         first_all = D.all_gather_tensor(torch.cat(first_ratios).float().cpu())
         diff_all = D.all_gather_tensor(torch.cat(log_diffs).float().cpu())
+        first_metrics, ratio_warning = first_update_check(first_all, args.clip_range)  # on-policy check
         step_time = t_rollout + t_reward + t_train
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
@@ -182,8 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             "adv_mean": adv_all.mean(), "adv_std": adv_all.std(unbiased=False), "adv_abs_max": adv_all.abs().max(),
             "loss": rank_mean(losses), "kl": rank_mean(kls) if kls else 0.0, "clipfrac": rank_mean(clipfracs),
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
-            "ratio_max": ratio_all.max(), "ratio_first_update": first_all.mean(),
-            "ratio_first_update_max_dev": (first_all - 1).abs().max(),
+            "ratio_max": ratio_all.max(), **first_metrics,
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
             "grad_norm": sum(grad_norms) / len(grad_norms), "skipped_updates": skipped_updates,
             "lr": lr_scheduler.get_last_lr()[0], "trained_timesteps": num_trained,
@@ -194,11 +201,9 @@ def main(argv: list[str] | None = None) -> None:
             "memory_baseline_gb": D.all_reduce_max(memory_baseline),
         }
         logger.log(step, metrics)
-        if main_rank and float(metrics["ratio_first_update_max_dev"]) > RATIO_WARN and not warned_ratio:
+        if main_rank and ratio_warning and not warned_ratio:
             warned_ratio = True
-            print(f"warning: step {step}: the ratio at the first update after the rollout is off by "
-                  f"{float(metrics['ratio_first_update_max_dev']):.2e} (expected ~0): the replay does not match the "
-                  "rollout (dtype, batch composition or dropout differ)", flush=True)
+            print(f"warning: step {step}: {ratio_warning}", flush=True)
         bar.update(1)
         bar.set_postfix(reward=f"{float(metrics['reward_mean']):.5g}", ratio=f"{float(metrics['ratio_mean']):.6f}")
         if args.sample_every and (step % args.sample_every == 0 or step == 1) and main_rank:
@@ -214,7 +219,6 @@ def main(argv: list[str] | None = None) -> None:
     if main_rank:
         print(f"metrics: {out / 'metrics.jsonl'}\nsamples: {out / 'samples'}\ncheckpoints: {out / 'checkpoints'}\n"
               f"export:  {final}", flush=True)
-    D.cleanup()
 
 
 def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:

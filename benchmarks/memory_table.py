@@ -1,5 +1,6 @@
 """What fits: the --dry_run memory plan of FLUX.1-dev GRPO on 8 x 80 GB for LoRA and full fine-tuning, 512^2 and
-720^2, with and without gradient checkpointing and CPU offload (prints the README's markdown table).
+720^2, with and without gradient checkpointing and CPU offload, at the recipe's batch (2 prompts x 12 samples per
+GPU, micro-batch 2, rollout batch 4, 16 steps, EMA, HPS v2.1); prints the README's markdown table.
 
     python -m fastvideo.tiny --preset flux-dev-config --out data/flux-dev-config     # configs only, no weights
     python benchmarks/memory_table.py data/flux-dev-config [--world_size 8] [--gpu_gb 80]
@@ -16,15 +17,15 @@ from fastvideo.config import parse_grpo_args, validate_grpo  # noqa: E402
 from fastvideo.memory import GiB, plan_grpo  # noqa: E402
 
 # scripts/finetune_flux_grpo.sh with MODEL_PATH (DanceGRPO's FLUX recipe), less the flags varied below
-RECIPE = ["--sampling_steps", "16", "--sde_type", "dance_sde", "--eta", "0.3", "--shift", "3",
+RECIPE = ["--sampling_steps", "16", "--sde_type", "dance_sde", "--eta", "0.3", "--shift", "3", "--decode_x0",
           "--num_generations", "12", "--rollout_batch_size", "4", "--train_batch_size", "2",
-          "--timestep_fraction", "0.6", "--reward", "hpsv2:1.0", "--fsdp_sharding_strategy", "full",
-          "--mixed_precision", "bf16", "--use_ema"]
+          "--gradient_accumulation_steps", "6", "--timestep_fraction", "0.6", "--reward", "hpsv2:1.0",
+          "--fsdp_sharding_strategy", "full", "--mixed_precision", "bf16", "--use_ema"]
 
 
 def plan(folder: str, world: int, *flags: str):
     args = parse_grpo_args(["--pretrained_model_name_or_path", folder, "--dry_run", *RECIPE,
-                            "--prompts_per_step", str(world), *flags])
+                            "--prompts_per_step", str(2 * world), *flags])
     return plan_grpo(args, validate_grpo(args, world), world, "cuda")
 
 

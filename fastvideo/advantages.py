@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 DANCE_GRPO_EPS = 1e-8  # DanceGRPO: (r - mean) / (unbiased group std + 1e-8)
-FLOW_GRPO_EPS = 1e-4  # Flow-GRPO: (r - mean) / (population std of the whole batch + 1e-4)
+FLOW_GRPO_EPS = 1e-4  # Flow-GRPO: (r - mean) / (population std + 1e-4); our default in both modes
+DEFAULT_EPS = FLOW_GRPO_EPS
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_std: bool = True,
@@ -17,13 +18,16 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``A = clamp((r - group mean) / (std + eps), ±adv_clip_max)`` per sample, and summary metrics.
 
-    ``global_std=True`` (Flow-GRPO): std = population std of the whole batch, eps default 1e-4.
-    ``global_std=False`` (DanceGRPO): std = unbiased std of the sample's group, eps default 1e-8
-    (a group of one sample has std 0 and advantage 0). ``group_ids`` are any integer ids (prompt ids);
+    ``global_std=True`` (Flow-GRPO): std = population std of the whole batch.
+    ``global_std=False`` (DanceGRPO): std = unbiased std of the sample's group (a group of one sample has std 0 and
+    advantage 0). ``eps`` defaults to 1e-4 in both modes: with DanceGRPO's 1e-8 a near-constant group (std ~1e-6,
+    e.g. a saturated reward) turns float noise into advantages of ~±1 to ±adv_clip_max; pass
+    ``DANCE_GRPO_EPS`` to reproduce it. ``group_ids`` are any integer ids (prompt ids);
     the result does not depend on the order of the samples. Computed in float64; advantages are
     returned in the rewards' float dtype (float32 for integer rewards).
     Metrics: reward_mean, reward_std (population), adv_abs_mean, adv_clip_frac (fraction clamped),
-    num_groups, zero_std_group_frac (groups whose rewards are all equal: they carry no signal).
+    num_groups, zero_std_group_frac (groups whose rewards are all equal: they carry no signal),
+    low_std_group_frac (groups whose normalising std is below ``eps``: eps, not the rewards, sets their scale).
     """
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must both be (N,), got {tuple(rewards.shape)} and "
@@ -33,7 +37,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
     if adv_clip_max <= 0:
         raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
     if eps is None:
-        eps = FLOW_GRPO_EPS if global_std else DANCE_GRPO_EPS
+        eps = DEFAULT_EPS
+    if eps <= 0:
+        raise ValueError(f"--adv_eps must be > 0, got {eps}")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     r = rewards.detach().to(torch.float64)
     _, inverse = torch.unique(group_ids.to(r.device), return_inverse=True)
@@ -45,6 +51,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
     if global_std:
         std = (r - r.mean()).pow(2).mean().sqrt()
         denom = std + eps
+        group_std = std.expand(num_groups)
     else:
         sq = torch.zeros_like(counts).index_add_(0, inverse, centered.pow(2))
         group_std = (sq / (counts - 1).clamp(min=1)).sqrt()
@@ -62,5 +69,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
         "adv_clip_frac": f32((adv.abs() > adv_clip_max).double().mean()),
         "num_groups": f32(num_groups),
         "zero_std_group_frac": f32((gmax == gmin).double().mean()),
+        "low_std_group_frac": f32((group_std < eps).double().mean()),
     }
     return clipped.to(out_dtype), metrics

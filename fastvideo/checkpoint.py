@@ -48,6 +48,15 @@ def checkpoint_path(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS_SUBDIR / f"step-{step}"
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """N of a ``step-N`` checkpoint folder (ValueError for another name)."""
+    match = _STEP_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (expected a name like step-N); pass "
+                         "OUTPUT_DIR/checkpoints/step-N or --resume_from latest")
+    return int(match.group(1))
+
+
 def _is_complete(path: Path) -> bool:
     return path.is_dir() and _STEP_RE.match(path.name) is not None and (path / "meta.json").is_file()
 
@@ -259,7 +268,7 @@ class EMA:
     views, or whole tensors for a plain module) — no gather, ever, during training. Create it after
     ``shard_model`` (and after loading the initial weights); call ``update()`` after each ``optimizer.step()``.
 
-        ema = EMA(model, decay=0.995)
+        ema = EMA(model, decay=0.995)       # warm-up: the decay of update t is min(0.995, (1 + t) / (10 + t))
         ...optimizer.step(); ema.update()
         with ema.swap_into(model):        # evaluate / export the EMA weights
             sd = full_state_dict(model)
@@ -268,13 +277,14 @@ class EMA:
     ``save_checkpoint(..., ema=ema)`` stores the EMA resharding-safely (DCP) and is what trainers use.
     """
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"--ema_decay must be in [0, 1), got {decay}")
         named = named_trainable_parameters(model)
         if not named:
             raise ValueError("EMA: the model has no trainable parameters")
         self.decay = float(decay)
+        self.warmup = bool(warmup)
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
         reshard(model)
@@ -291,10 +301,18 @@ class EMA:
                                    "between forward and backward")
         return locals_
 
+    def current_decay(self) -> float:
+        """The decay the next ``update()`` uses: with warm-up ``min(decay, (1 + t) / (10 + t))`` for the t-th update
+        (t = 0, 1, ...; Flow-GRPO's and diffusers' EMAModel schedule), so early updates follow the trained weights
+        instead of keeping ~decay^t of the base; without warm-up the constant ``decay``."""
+        t = self.num_updates
+        return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
+
     @torch.no_grad()
     def update(self, decay: float | None = None) -> None:
-        """``shadow = decay * shadow + (1 - decay) * param`` for every local shard (one fused foreach op)."""
-        d = self.decay if decay is None else float(decay)
+        """``shadow = d * shadow + (1 - d) * param`` for every local shard (one fused foreach op), with
+        ``d = current_decay()`` unless ``decay`` is given."""
+        d = self.current_decay() if decay is None else float(decay)
         torch._foreach_lerp_(self.shadow, self._locals(), 1.0 - d)
         self.num_updates += 1
 

@@ -53,17 +53,26 @@ class SamplingOptions:
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
     rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
+    last_step: str = opt(
+        "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
+        "code; chosen by measurement on the demo, see README) | ode = the deterministic Euler step, which is exactly "
+        "its x0_hat, so the scored image carries no noise the policy cannot influence (the image DanceGRPO scores, "
+        "as --decode_x0 does)", choices=("sde", "ode"))
 
 
 @dataclass
 class GRPOOptions:
     num_generations: int = opt(12, "samples per prompt (group size G)")
     prompts_per_step: int = opt(2, "prompts per training step over all ranks (P); samples per step = P*G")
-    timestep_fraction: float = opt(0.6, "fraction of the S-1 non-final steps trained per sample (DanceGRPO)")
+    timestep_fraction: float | None = opt(
+        None, "fraction of the S-1 non-final steps trained per sample (DanceGRPO; default 0.6); not with "
+        "--sde_window_size, where the window's steps are trained")
     clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
     adv_clip_max: float = opt(5.0, "advantages (in reward-std units) are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = opt(False, "normalise advantages by the whole batch's reward std (Flow-GRPO) "
                                   "instead of each group's (DanceGRPO)")
+    adv_eps: float = opt(1e-4, "added to the reward std before dividing (Flow-GRPO 1e-4); DanceGRPO's 1e-8 turns "
+                               "near-constant groups into +-adv_clip_max noise (pass it only to reproduce DanceGRPO)")
     kl_beta: float = opt(0.0, "weight of the KL to the reference policy (0 = off; Flow-GRPO uses 0.04)")
 
 
@@ -83,7 +92,9 @@ class OptimOptions:
     gradient_accumulation_steps: int = opt(
         0, "micro-batches per optimizer step (0 = all of a rank's samples -> one optimizer step per rollout)")
     use_ema: bool = opt(False, "keep an EMA of the trained weights (sharded); exported instead of the raw weights")
-    ema_decay: float = opt(0.995, "EMA decay per optimizer step")
+    ema_decay: float = opt(0.995, "EMA decay per optimizer step (the upper bound of the warm-up)")
+    ema_warmup: bool = opt(True, "EMA warm-up: the decay of update t is min(ema_decay, (1+t)/(10+t)) (Flow-GRPO); "
+                                 "--no-ema_warmup = constant decay (the exported EMA then keeps ~ema_decay^t of the base)")
 
 
 @dataclass
@@ -227,11 +238,17 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
     _need(args.learning_rate >= 0, f"--learning_rate must be >= 0, got {args.learning_rate}")
     _need(args.lr_warmup_steps >= 0, f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
+    _need(not (args.lr_warmup_steps and args.lr_scheduler == "constant"),
+          f"--lr_warmup_steps {args.lr_warmup_steps} does nothing with --lr_scheduler constant; use "
+          "--lr_scheduler constant_with_warmup (the default) or drop --lr_warmup_steps")
     _need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
     if hasattr(args, "gradient_sync"):
         from fastvideo.parallel import resolve_gradient_sync
 
         resolve_gradient_sync(args.gradient_sync, args.lora_rank > 0)
+        _need(not (args.gradient_sync == "step" and args.fsdp_version == 1),
+              "--gradient_sync step does nothing with --fsdp_version 1 (FSDP1 reduces after every backward); use "
+              "--fsdp_version 2 or drop the flag")
     _need(args.checkpointing_steps >= 1, f"--checkpointing_steps must be >= 1, got {args.checkpointing_steps}")
     _need(args.checkpoints_total_limit is None or args.checkpoints_total_limit >= 1,
           f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
@@ -259,6 +276,9 @@ def validate_sampling(args: argparse.Namespace) -> None:
     S = args.sampling_steps
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")
+    _need(args.sde_window_range is None or args.sde_window_size > 0,
+          "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "
+          "--sde_window_size W or drop --sde_window_range")
     if args.sde_window_range is None:
         from fastvideo.rollout import default_window_range
 
@@ -268,6 +288,9 @@ def validate_sampling(args: argparse.Namespace) -> None:
         _need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,
               f"--sde_window_range {lo} {hi} must satisfy 0 <= LO, HI <= --sampling_steps ({S}) and "
               f"HI - LO >= --sde_window_size ({args.sde_window_size})")
+        _need(not (hi == S and getattr(args, "last_step", "sde") == "ode"),
+              f"--sde_window_range {lo} {hi} includes the last step, which --last_step ode makes deterministic; end "
+              f"the range at {S - 1} or pass --last_step sde")
 
 
 def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
@@ -277,10 +300,17 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     _need(args.num_generations >= 2, f"--num_generations must be >= 2 (a group needs two samples to compare), "
                                      f"got {args.num_generations}")
     _need(args.prompts_per_step >= 1, f"--prompts_per_step must be >= 1, got {args.prompts_per_step}")
-    _need(0.0 < args.timestep_fraction <= 1.0,
+    if args.sde_window_size:
+        _need(args.timestep_fraction is None,
+              f"--timestep_fraction {args.timestep_fraction} does nothing with --sde_window_size "
+              f"{args.sde_window_size} (the window's steps are the trained ones); drop one of them")
+    elif args.timestep_fraction is None:
+        args.timestep_fraction = 0.6
+    _need(args.timestep_fraction is None or 0.0 < args.timestep_fraction <= 1.0,
           f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
     _need(args.clip_range > 0, f"--clip_range must be > 0, got {args.clip_range}")
     _need(args.adv_clip_max > 0, f"--adv_clip_max must be > 0, got {args.adv_clip_max}")
+    _need(args.adv_eps > 0, f"--adv_eps must be > 0, got {args.adv_eps}")
     _need(args.kl_beta >= 0, f"--kl_beta must be >= 0, got {args.kl_beta}")
     _need(args.eta > 0, f"--eta {args.eta}: GRPO needs stochastic steps (log-prob ratios); use --eta > 0")
     if args.sde_type == "cps" and args.kl_beta > 0 and args.sde_window_size:

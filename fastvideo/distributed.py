@@ -8,8 +8,13 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -190,6 +195,58 @@ def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | N
     if shape is None:
         shape, names = (get_world_size(),), ("dp",)
     return init_device_mesh(dev_type, shape, mesh_dim_names=names)
+
+
+_FAILED_KEY = "fastvideo/failed"
+
+
+@contextmanager
+def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
+    """Run a job's body so that an exception on one rank ends every rank within seconds, with its message.
+
+    Without it, a rank that raises (a non-finite reward, a checkpoint collision) leaves the others waiting in a
+    collective: NCCL does not notice a dead peer before the process-group timeout (30 minutes), and the raising
+    rank's own exit can block in NCCL/W&B teardown. Here the raising rank prints its traceback, publishes
+    ``rank r: Error: message`` in the job's TCP store and leaves at once (``os._exit(1)``: no teardown to block
+    in); a watchdog thread on every rank polls that key and ends its rank the same way, printing the cause.
+    torchrun reports the job as failed. At world size 1 exceptions propagate unchanged.
+    """
+    if not is_distributed():
+        yield
+        return
+    store = dist.distributed_c10d._get_default_store()
+    rank = get_rank()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_seconds):
+            try:
+                if store.check([_FAILED_KEY]):
+                    cause = store.get(_FAILED_KEY).decode()
+                    print(f"[rank {rank}] stopping: {cause}", file=sys.stderr, flush=True)
+                    store.add(_FAILED_KEY + "/acks", 1)
+                    os._exit(1)
+            except Exception:  # noqa: BLE001  (store gone: the job is ending anyway)
+                return
+
+    threading.Thread(target=watch, name="fastvideo-fail-fast", daemon=True).start()
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001
+        traceback.print_exc()
+        cause = f"rank {rank} failed: {type(err).__name__}: {err}"
+        print(f"[rank {rank}] {cause}", file=sys.stderr, flush=True)
+        try:
+            store.set(_FAILED_KEY, cause[:2000])
+            # give the other ranks' watchdogs a moment to print the cause before torchrun tears the job down
+            deadline = time.monotonic() + 5 * poll_seconds + 2
+            while store.add(_FAILED_KEY + "/acks", 0) < get_world_size() - 1 and time.monotonic() < deadline:
+                time.sleep(poll_seconds / 4)
+        finally:
+            sys.stdout.flush()
+            os._exit(1)
+    finally:
+        done.set()
 
 
 def cleanup() -> None:

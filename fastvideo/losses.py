@@ -56,6 +56,25 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
     return loss, metrics
 
 
+def first_update_check(first_ratios: torch.Tensor, clip_range: float) -> tuple[dict[str, torch.Tensor], str | None]:
+    """On-policy check (REFERENCE §4): at the first update after a rollout the policy is the rollout policy, so every
+    ratio is 1 up to float noise. Returns the metrics ``ratio_first_update`` (mean), ``ratio_first_update_max_dev``
+    (max |ratio - 1|) and ``clipfrac_first_update`` (share with |ratio - 1| > clip_range), and a warning when the
+    deviation exceeds ``clip_range / 10`` or any sample is already clipped: a replay mismatch at the clip scale
+    silently zeroes those samples' gradients (dtype, batch composition, dropout or timestep rounding differ).
+    """
+    dev = (_d(first_ratios) - 1.0).abs()
+    metrics = {"ratio_first_update": _d(first_ratios).mean(), "ratio_first_update_max_dev": dev.max(),
+               "clipfrac_first_update": (dev > clip_range).float().mean()}
+    warning = None
+    if float(metrics["ratio_first_update_max_dev"]) > clip_range / 10 or float(metrics["clipfrac_first_update"]) > 0:
+        warning = (f"the ratio at the first update after the rollout is off by up to "
+                   f"{float(metrics['ratio_first_update_max_dev']):.2e} (clip_range {clip_range:g}; "
+                   f"{100 * float(metrics['clipfrac_first_update']):.1f}% of samples clipped before any update): the "
+                   "replay does not match the rollout (dtype, batch composition, dropout or timestep rounding differ)")
+    return metrics, warning
+
+
 def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std_scale: torch.Tensor | float,
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-GRPO's KL to the reference policy: ``mean_B( mean_dims((mean - ref_mean)²) / (2 s²) )``.

@@ -366,7 +366,13 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
         sd = _fsdp1_full_state_dict(model, frozen)
     if not distributed.is_main_process():
         return {}
-    return {k: v.detach().to("cpu", copy=True) for k, v in sd.items() if k not in frozen}
+    # gathered tensors are fresh CPU tensors: copy only what still aliases the live model (unsharded buffers, a
+    # no_shard layout), so rank 0 holds one full copy of the model, not two
+    live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+            if t.device.type == "cpu" and not hasattr(t, "_local_tensor")}
+    live |= {t._local_tensor.untyped_storage().data_ptr() for t in model.parameters() if hasattr(t, "_local_tensor")}
+    return {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v.detach()
+            for k, v in sd.items() if k not in frozen}
 
 
 def _fsdp1_full_state_dict(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
@@ -391,7 +397,7 @@ def _fsdp1_full_state_dict(model: nn.Module, skip: set[str]) -> dict[str, torch.
             continue
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             if main:
-                for fqn in fqns:
+                for fqn in fqns:  # a copy: the gathered storage is freed when the context exits
                     out[clean_name(prefix + fqn)] = unit.module.get_parameter(fqn).detach().to("cpu", copy=True)
     if main:
         for name, buf in model.named_buffers():

@@ -26,6 +26,9 @@ from fastvideo.schedulers import SDE_TYPES, get_sigmas, ode_step, sde_noise_scal
 from fastvideo.seeding import NoiseSource
 
 
+LAST_STEP_MODES = ("sde", "ode")
+
+
 def default_window_range(sampling_steps: int) -> tuple[int, int]:
     """Steps an SDE window may cover by default: all but the last (sigma' = 0, like DanceGRPO's subset)."""
     return (0, max(1, sampling_steps - 1))
@@ -47,6 +50,10 @@ class RolloutConfig:
     init_same_noise: bool = False
     decode_x0: bool = False  # decode the last predicted x0_hat (DanceGRPO) instead of the final latent
     batch_size: int = 8  # samples per transformer call
+    # "sde": the last step (sigma' = 0) is stochastic like the others, though never trained (Flow-GRPO's code);
+    # "ode": it is the deterministic Euler step, which lands exactly on that step's x0_hat, so the scored image
+    # carries no noise the policy cannot influence (same image as decode_x0, DanceGRPO's choice)
+    last_step: str = "sde"
 
     def __post_init__(self) -> None:
         S = self.sampling_steps
@@ -58,6 +65,8 @@ class RolloutConfig:
             raise ValueError(f"eta must be >= 0 (0 = ODE sampling), got {self.eta}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
+        if self.last_step not in LAST_STEP_MODES:
+            raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
         if not 0 <= self.sde_window_size <= S:
             raise ValueError(f"sde_window_size must be in [0, sampling_steps={S}], got {self.sde_window_size}")
         if self.sde_window_range is None:
@@ -67,6 +76,9 @@ class RolloutConfig:
         if self.sde_window_size and not (0 <= lo and hi <= S and hi - lo >= self.sde_window_size):
             raise ValueError(f"sde_window_range ({lo}, {hi}) must satisfy 0 <= lo, hi <= sampling_steps ({S}) "
                              f"and hi - lo >= sde_window_size ({self.sde_window_size})")
+        if self.sde_window_size and self.last_step == "ode" and hi == S:
+            raise ValueError(f"sde_window_range ({lo}, {hi}) includes the last step, which last_step='ode' makes "
+                             f"deterministic: end the range at {S - 1} or use last_step='sde'")
 
     @property
     def deterministic(self) -> bool:
@@ -143,7 +155,10 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
     if cfg.deterministic:
         return torch.zeros(B, S, dtype=torch.bool)
     if cfg.sde_window_size == 0:
-        return torch.ones(B, S, dtype=torch.bool)
+        mask = torch.ones(B, S, dtype=torch.bool)
+        if cfg.last_step == "ode":
+            mask[:, S - 1] = False
+        return mask
     starts = torch.tensor(window_starts(cfg, noise, step, prompt_ids)).view(B, 1)
     steps = torch.arange(S).view(1, S)
     return (steps >= starts) & (steps < starts + cfg.sde_window_size)

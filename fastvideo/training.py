@@ -83,7 +83,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
         frozen_ref = parallel.shard_model(frozen_ref.requires_grad_(False).eval(), gradient_checkpointing=False,
                                           **shard_kwargs)
         weights.load_safetensors_into(frozen_ref, folder)
-    ema = ckpt.EMA(transformer, decay=args.ema_decay) if args.use_ema else None
+    ema = ckpt.EMA(transformer, decay=args.ema_decay, warmup=args.ema_warmup) if args.use_ema else None
     return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config)
 
 
@@ -158,15 +158,29 @@ def resolve_resume(args: argparse.Namespace) -> Path | None:
 # Flags a resumed run must share with the checkpoint's run, or it would not continue the same run.
 RESUME_KEYS = ("pretrained_model_name_or_path", "lora_rank", "lora_alpha", "lora_target_modules", "seed",
                "num_generations", "prompts_per_step", "sampling_steps", "sde_type", "eta", "shift", "h", "w",
-               "guidance_scale", "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0",
-               "timestep_fraction", "clip_range", "adv_clip_max", "global_std", "kl_beta", "reward",
-               "learning_rate", "lr_scheduler", "lr_warmup_steps", "use_ema", "ema_decay", "batch_arithmetic")
+               "guidance_scale", "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step",
+               "timestep_fraction", "clip_range", "adv_clip_max", "global_std", "adv_eps", "kl_beta", "reward",
+               "learning_rate", "lr_scheduler", "lr_warmup_steps", "use_ema", "ema_decay", "ema_warmup", "batch_arithmetic")
 
 
 def saved_run_config(resume_dir: Path) -> dict | None:
     """The config.json of the run that wrote ``resume_dir`` (OUT/checkpoints/step-N -> OUT/config.json)."""
     path = Path(resume_dir).resolve().parents[1] / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_resume_step(resume_dir: Path, max_train_steps: int) -> int:
+    """The step of ``resume_dir`` (``step-N``); refuses a --max_train_steps below it before anything is loaded (the
+    run is already past it: nothing would be trained and the old model silently re-exported)."""
+    step = ckpt.checkpoint_step(resume_dir)
+    if step > max_train_steps:
+        raise ValueError(f"--max_train_steps {max_train_steps} is below the step of the checkpoint to resume "
+                         f"({resume_dir.name}): raise --max_train_steps above {step} to train on, or use the export "
+                         f"of that run in {Path(resume_dir).resolve().parents[1] / 'final'}")
+    if step == max_train_steps and D.is_main_process():
+        print(f"the run already reached --max_train_steps {max_train_steps} ({resume_dir.name}): nothing to train, "
+              "re-exporting final/", flush=True)
+    return step
 
 
 def check_resume_config(config: dict, saved: dict | None) -> None:
@@ -185,7 +199,7 @@ def check_resume_config(config: dict, saved: dict | None) -> None:
     if diffs:
         text = "; ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
         raise ValueError(f"cannot resume: flags differ from the checkpoint's run ({text}); use the original "
-                         "values, or a new --output_dir for a new run")
+                         "values, or a new --output_dir (OUTPUT_DIR=... with the launchers) for a new run")
 
 
 def run_config(args: argparse.Namespace, counts: dict[str, int]) -> dict:

@@ -2,7 +2,7 @@
 # GRPO post-training of FLUX.
 #   bash scripts/finetune_flux_grpo.sh                 # embedded demo: tiny FLUX on the CPU, a few minutes
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
-#     bash scripts/finetune_flux_grpo.sh [--flag value ...]   # DanceGRPO's FLUX recipe; any flag overridable
+#     bash scripts/finetune_flux_grpo.sh [--flag value ...]   # DanceGRPO's 8-GPU FLUX recipe; any flag overridable
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs).
 # Everything after the script name is passed to train_grpo_flux.py and wins over the defaults below.
@@ -49,15 +49,44 @@ else
   fi
   HPS_ARGS=()
   if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
-  # DanceGRPO's FLUX recipe: 720^2, 16 steps, dance_sde eta 0.3, shift 3, 12 generations,
-  # timestep_fraction 0.6, clip 1e-4, adv clip 5, lr 1e-5, HPS v2.1, gradient checkpointing, full shard.
+  WORLD=$((NPROC_PER_NODE * NNODES))
+  # DanceGRPO's FLUX recipe, value by value from its 8-GPU script (DanceGRPO scripts/finetune/
+  # finetune_flux_grpo_8gpus.sh, trainer fastvideo/train_grpo_flux.py); "ours" marks deliberate differences.
+  RECIPE=(
+    --h 720 --w 720                        # --h 720 --w 720
+    --sampling_steps 16                    # --sampling_steps 16
+    --sde_type dance_sde --eta 0.3         # flux_step, --eta 0.3
+    --shift 3                              # --shift 3
+    --guidance_scale 3.5                   # trainer hard-codes guidance 3.5 (--cfg 0.0: no real CFG)
+    --decode_x0                            # trainer decodes and scores the last pred_original (x0_hat)
+    --init_same_noise                      # --init_same_noise (ours: shared within a prompt group only; theirs: by
+                                           #   every sample of a rank, i.e. also across its 2 prompts)
+    --num_generations 12                   # --num_generations 12 (--use_group)
+    --prompts_per_step $((2 * WORLD))      # --train_batch_size 2: two prompts per GPU per step
+    --train_batch_size 2                   # ours: 2 samples per replay forward (theirs replays 1 at a time; the loss
+    --gradient_accumulation_steps 6        #   is the same mean): 6 x 2 = 12 samples per optimizer step, as their
+                                           #   --gradient_accumulation_steps 12 -> 2 optimizer steps per rollout
+    --timestep_fraction 0.6                # --timestep_fraction 0.6 (int(15 x 0.6) = 9 of the non-final steps)
+    --clip_range 1e-4 --adv_clip_max 5     # --clip_range 1e-4 --adv_clip_max 5.0
+    --adv_eps 1e-8                         # trainer: (r - group mean) / (unbiased group std + 1e-8)
+    --learning_rate 1e-5 --lr_warmup_steps 0 --lr_scheduler constant_with_warmup   # same (scheduler: default)
+    --weight_decay 1e-4                    # --weight_decay 0.0001
+    --max_grad_norm 0.01                   # --max_grad_norm 0.01 (their 16-GPU script: 1.0)
+    --use_ema --ema_decay 0.995            # --use_ema --ema_decay 0.995 (ours: EMA warm-up on; theirs is a constant
+                                           #   decay, which keeps ~22% of the base weights after 300 updates;
+                                           #   --no-ema_warmup reproduces it)
+    --max_train_steps 300                  # --max_train_steps 300
+    --checkpointing_steps 40               # --checkpointing_steps 40
+    --seed 42                              # --seed 42
+    --reward hpsv2:1.0                     # --use_hpsv2 (HPS v2.1 checkpoint: HPS_CHECKPOINT)
+    --mixed_precision bf16                 # --mixed_precision bf16 (fp32 master weights)
+    --gradient_checkpointing               # --gradient_checkpointing
+    --fsdp_sharding_strategy full          # trainer default FULL_SHARD
+    --rollout_batch_size 4                 # ours only: samples per rollout forward (speed, not maths)
+    --sample_every 10                      # ours only: sample grids
+  )
   set -- --pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" \
-    --h 720 --w 720 --sampling_steps 16 --sde_type dance_sde --eta 0.3 --shift 3 --guidance_scale 3.5 \
-    --num_generations 12 --prompts_per_step "$((NPROC_PER_NODE * NNODES))" --rollout_batch_size 4 \
-    --train_batch_size 2 --gradient_accumulation_steps 0 --timestep_fraction 0.6 --clip_range 1e-4 \
-    --adv_clip_max 5 --learning_rate 1e-5 --weight_decay 1e-4 --max_grad_norm 1.0 --max_train_steps 300 \
-    --reward hpsv2:1.0 --gradient_checkpointing --fsdp_sharding_strategy full --mixed_precision bf16 \
-    --checkpointing_steps 50 --sample_every 10 --use_ema --ema_decay 0.995 --seed 42 --resume_from latest "${HPS_ARGS[@]}" "$@"
+    "${RECIPE[@]}" --resume_from latest "${HPS_ARGS[@]}" "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 

@@ -28,3 +28,13 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 600, env: dic
         raise AssertionError(f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def make_embeddings(model_dir: Path, out: Path, num_prompts: int, *extra: str) -> Path:
+    """Embeddings of the first ``num_prompts`` prompts of assets/prompts.txt for ``model_dir``; returns the manifest."""
+    prompts = out / "prompts.txt"
+    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:num_prompts]) + "\n")
+    subprocess.run([sys.executable, str(REPO / "preprocess_embeddings.py"), "--model_path", str(model_dir),
+                    "--prompt_file", str(prompts), "--output_dir", str(out / "emb"), "--device", "cpu", *extra],
+                   check=True, cwd=REPO, capture_output=True)
+    return out / "emb" / "manifest.json"

@@ -154,7 +154,7 @@ def test_ema_math_swap_and_state_dict():
     model.bias.requires_grad_(False)
     with pytest.raises(ValueError, match="--ema_decay"):
         EMA(model, 1.0)
-    ema = EMA(model, decay=0.75)
+    ema = EMA(model, decay=0.75, warmup=False)
     assert ema.names == ["weight"]
     start = model.weight.detach().clone()
     with torch.no_grad():
@@ -167,12 +167,38 @@ def test_ema_math_swap_and_state_dict():
         assert torch.equal(model.weight, ema.shadow[0])
     assert torch.equal(model.weight, live)
     state = ema.state_dict()
-    other = EMA(model, decay=0.75)
+    other = EMA(model, decay=0.75, warmup=False)
     other.load_state_dict(state)
     assert torch.equal(other.shadow[0], ema.shadow[0]) and other.num_updates == 1
     with pytest.raises(ValueError, match="different model"):
         with other.swap_into(torch.nn.Linear(3, 2)):
             pass
+
+
+def test_ema_warmup_schedule_follows_the_weights_early():
+    """Warm-up decay min(decay, (1+t)/(10+t)): after 300 constant-decay-0.995 updates ~22% of the base weights remain
+    in the EMA; with the warm-up it is ~0.995^300 * (prefix product) < 3%. The counter that drives it round-trips."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    warm, const = EMA(model, decay=0.995), EMA(model, decay=0.995, warmup=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # the trained weights moved away from the base (0) at once
+    decays = []
+    for _ in range(300):
+        decays.append(warm.current_decay())
+        warm.update()
+        const.update()
+    assert decays[:3] == pytest.approx([1 / 10, 2 / 11, 3 / 12]) and decays[-1] == pytest.approx(300 / 309)
+    base_share_const = 1 - const.shadow[0].item()
+    base_share_warm = 1 - warm.shadow[0].item()
+    assert base_share_const == pytest.approx(0.995 ** 300, rel=1e-4) and base_share_const > 0.2
+    assert base_share_warm < 0.03
+    other = EMA(model, decay=0.995)
+    other.load_counters(warm.counters())
+    assert other.current_decay() == warm.current_decay() == pytest.approx(301 / 310)
+    other.num_updates = 5000
+    assert other.current_decay() == 0.995  # the bound once (1+t)/(10+t) exceeds it
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,36 @@ def test_collectives_on_two_ranks(tmp_path):
     """))
     proc = run_torchrun([str(script)], nproc=2, timeout=120)
     assert proc.stdout.count("ok") == 2
+
+
+def test_an_error_on_one_rank_ends_every_rank_with_its_message(tmp_path):
+    """Rank 1 raises while rank 0 waits (as in a collective that never notices a dead peer, NCCL's case): both
+    ranks end within seconds, non-zero, and rank 0 reports rank 1's error."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO, free_port
+
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from fastvideo import distributed as D
+        info = D.init_distributed("cpu")
+        with D.fail_fast(poll_seconds=0.2):
+            D.barrier()
+            if info.rank == 1:
+                raise ValueError("non-finite reward on rank 1 (test)")
+            time.sleep(120)  # rank 0: stuck, like a rank blocked in an NCCL collective
+        print("unreachable", info.rank)
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=100,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0 and "unreachable" not in proc.stdout
+    assert elapsed < 60, elapsed
+    assert "[rank 1] rank 1 failed: ValueError: non-finite reward on rank 1 (test)" in proc.stderr
+    assert "[rank 0] stopping: rank 1 failed: ValueError: non-finite reward on rank 1 (test)" in proc.stderr

@@ -50,6 +50,55 @@ def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
     proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--dry_run", "--device", "cuda"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world_size=8" in proc.stdout and "samples_per_rank=12" in proc.stdout
+    assert "world_size=8" in proc.stdout and "samples_per_rank=24" in proc.stdout
     assert "world size 8" in proc.stdout and "fits in 80 GiB" in proc.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
+    """The MODEL_PATH recipe passes DanceGRPO's 8-GPU values (scripts/finetune/finetune_flux_grpo_8gpus.sh): a stub
+    PYTHON records what the launcher would hand to torchrun, parsed with the trainer's own parser."""
+    from fastvideo.config import parse_grpo_args
+
+    record = tmp_path / "argv.json"
+    stub = tmp_path / "python"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    manifest = tmp_path / "data" / "embeddings" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    env = {**os.environ, "PYTHON": str(stub), "MODEL_PATH": str(tmp_path / "FLUX.1-dev"), "DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(record.read_text())
+    assert argv[:2] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in argv
+    args = parse_grpo_args(argv[argv.index("train_grpo_flux.py") + 1:])
+    expected = dict(h=720, w=720, sampling_steps=16, sde_type="dance_sde", eta=0.3, shift=3.0, guidance_scale=3.5,
+                    decode_x0=True, init_same_noise=True, num_generations=12, prompts_per_step=16, train_batch_size=2,
+                    gradient_accumulation_steps=6, timestep_fraction=0.6, clip_range=1e-4, adv_clip_max=5.0,
+                    adv_eps=1e-8, global_std=False, learning_rate=1e-5, lr_warmup_steps=0, weight_decay=1e-4,
+                    max_grad_norm=0.01, use_ema=True, ema_decay=0.995, max_train_steps=300, checkpointing_steps=40,
+                    seed=42, reward="hpsv2:1.0", mixed_precision="bf16", gradient_checkpointing=True,
+                    fsdp_sharding_strategy="full", resume_from="latest")
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_readme_second_demo_command_works_after_the_demo(tmp_path):
+    """README: after the demo, `OUTPUT_DIR=... bash scripts/finetune_flux_grpo.sh --max_train_steps N --lora_rank 8`
+    starts a new run; the same flags into the demo's OUTPUT_DIR are refused with a message naming OUTPUT_DIR."""
+    base = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "2"}
+    base.pop("MODEL_PATH", None)
+
+    def launch(out: str, *flags: str) -> subprocess.CompletedProcess:
+        env = {**base, "OUTPUT_DIR": str(tmp_path / out), "MASTER_PORT": str(free_port())}
+        return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sample_every", "0", *flags], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=600)
+
+    assert launch("demo", "--max_train_steps", "1").returncode == 0
+    refused = launch("demo", "--max_train_steps", "1", "--lora_rank", "8")
+    assert refused.returncode != 0 and "--lora_rank: checkpoint 0 vs now 8" in refused.stderr
+    assert "OUTPUT_DIR" in refused.stderr
+    lora = launch("demo-lora8", "--max_train_steps", "1", "--lora_rank", "8")
+    assert lora.returncode == 0, lora.stderr[-2000:]
+    assert (tmp_path / "demo-lora8" / "final" / "pytorch_lora_weights.safetensors").is_file()

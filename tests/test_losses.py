@@ -195,3 +195,21 @@ def test_nft_old_decay_schedules():
     assert nft_old_decay(10_000, "delayed") == 0.999
     with pytest.raises(ValueError, match="copy"):
         nft_old_decay(1, "ema")
+
+
+def test_first_update_check_warns_at_the_clip_scale():
+    """The on-policy check fires at clip_range / 10 (not at a fixed 1e-3, 10x the default clip range) and when any
+    first-update sample is already clipped; clipfrac_first_update is that share."""
+    from fastvideo.losses import first_update_check
+
+    exact, warning = first_update_check(torch.ones(8), clip_range=1e-4)
+    assert warning is None and float(exact["ratio_first_update_max_dev"]) == 0.0
+    assert float(exact["clipfrac_first_update"]) == 0.0 and float(exact["ratio_first_update"]) == 1.0
+    noise = torch.ones(8)
+    noise[0] += 5e-6  # fp32 noise-level mismatch: fine at clip 1e-4, too much at clip 1e-5
+    assert first_update_check(noise, clip_range=1e-4)[1] is None
+    assert first_update_check(noise, clip_range=1e-5)[1] is not None
+    mismatch = torch.tensor([1.0, 1.0 + 5e-4, 1.0 - 5e-4, 1.0])  # 5e-4: below the old 1e-3 threshold
+    metrics, warning = first_update_check(mismatch, clip_range=1e-4)
+    assert warning is not None and "50.0% of samples clipped" in warning
+    assert float(metrics["clipfrac_first_update"]) == 0.5

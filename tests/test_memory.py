@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, make_embeddings, run_torchrun
 
 SCRIPT = "tests/dist_scripts/memory_checks.py"
 # glibc keeps freed heap memory (its mmap threshold grows up to 32 MB), so RSS would remember every transient;
@@ -119,7 +119,8 @@ def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
     an FSDP unit or two (FSDP1 used to gather everything on every rank when the parameters were on the CPU)."""
     r = results(run_torchrun([SCRIPT, "export", str(large_dir), "--fsdp_version", str(version)], env=RSS_ENV))
     model_mib = 100.28e6 * 4 / 2**20
-    assert r[0]["peak_rss_increase_mib"] >= 0.9 * model_mib and r[0]["max_abs_diff_vs_file"] == 0.0
+    assert 0.9 * model_mib <= r[0]["peak_rss_increase_mib"] <= 1.25 * model_mib  # one full copy, not two
+    assert r[0]["max_abs_diff_vs_file"] == 0.0
     assert r[1]["keys"] == 0 and r[1]["peak_rss_increase_mib"] <= 0.45 * model_mib, r[1]
 
 
@@ -203,13 +204,7 @@ def _plan_lines(stdout: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def bench_data(bench_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bench-emb")
-    prompts = out / "prompts.txt"
-    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:8]) + "\n")
-    subprocess.run([sys.executable, str(REPO / "preprocess_embeddings.py"), "--model_path", str(bench_dir),
-                    "--prompt_file", str(prompts), "--output_dir", str(out / "emb"), "--device", "cpu"],
-                   check=True, cwd=REPO, capture_output=True)
-    return out / "emb" / "manifest.json"
+    return make_embeddings(bench_dir, tmp_path_factory.mktemp("bench-emb"), 8)
 
 
 @pytest.mark.parametrize("mode", [[], ["--lora_rank", "8"]], ids=["full", "lora"])
@@ -232,9 +227,10 @@ def test_planner_within_25_percent_of_measured_peak(bench_dir, bench_data, tmp_p
 
 
 RECIPE = ["--h", "720", "--w", "720", "--sampling_steps", "16", "--sde_type", "dance_sde", "--eta", "0.3",
-          "--shift", "3", "--num_generations", "12", "--prompts_per_step", "8", "--rollout_batch_size", "4",
-          "--train_batch_size", "2", "--timestep_fraction", "0.6", "--reward", "hpsv2:1.0",
-          "--gradient_checkpointing", "--fsdp_sharding_strategy", "full", "--mixed_precision", "bf16", "--use_ema"]
+          "--shift", "3", "--num_generations", "12", "--prompts_per_step", "16", "--rollout_batch_size", "4",
+          "--train_batch_size", "2", "--gradient_accumulation_steps", "6", "--timestep_fraction", "0.6",
+          "--reward", "hpsv2:1.0", "--gradient_checkpointing", "--fsdp_sharding_strategy", "full",
+          "--mixed_precision", "bf16", "--use_ema", "--decode_x0"]
 
 
 def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
@@ -248,7 +244,7 @@ def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
                        "--output_dir", str(tmp_path / "out"), *RECIPE, "--dry_run", "--dry_run_world_size", "8"])
     elapsed = time.perf_counter() - start
     assert elapsed < 30, elapsed
-    assert "batch arithmetic: prompts_per_step=8, samples_per_step=96, samples_per_rank=12" in proc.stdout
+    assert "batch arithmetic: prompts_per_step=16, samples_per_step=192, samples_per_rank=24" in proc.stdout
     assert "transformer 11.901B params" in proc.stdout
     plan = _plan_lines(proc.stdout)
     assert 25 < plan["peak"] <= 80, proc.stdout  # 4 B params + 4 B grads + 8 B Adam + 4 B EMA / 8 alone: 27.7 GiB
@@ -266,7 +262,7 @@ def test_plan_arithmetic_for_flux_dev(tmp_path):
 
     def plan(world, *extra):
         args = parse_grpo_args(["--pretrained_model_name_or_path", str(folder), *RECIPE, *extra, "--dry_run",
-                                "--h", "512", "--w", "512", "--prompts_per_step", str(world)])
+                                "--h", "512", "--w", "512", "--prompts_per_step", str(2 * world)])
         counts = validate_grpo(args, world)
         p = plan_grpo(args, counts, world, "cuda")
         return {i.name: i.device / GiB for i in p.items}, p
@@ -281,6 +277,6 @@ def test_plan_arithmetic_for_flux_dev(tmp_path):
     assert lora_plan.facts["gradient_sync"] == "step"
     assert 0 < lora_items["unsharded gradient accumulation (--gradient_sync step)"] < 2
     assert lora_plan.device_peak < p.device_peak
-    _, single = plan(1, "--num_generations", "2")
+    _, single = plan(1, "--num_generations", "2", "--gradient_accumulation_steps", "1")
     assert single.device_peak > 16 * n / GiB  # unsharded fp32 params + grads + Adam: cannot fit one GPU
     assert any("world size 1" in w for w in single.warnings)

@@ -216,37 +216,82 @@ def test_hps_scores_finite_deterministic_batch_invariant(hps_fn):
 
 
 def test_hps_preprocess_pads_rather_than_crops():
-    from fastvideo.rewards._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, resize_longest_and_pad, to_grey_levels
-    from fastvideo.rewards.hpsv2 import hps_preprocess
+    from fastvideo.rewards._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+    from fastvideo.rewards.hpsv2 import hps_preprocess, hps_resize_max_size
 
     images = 0.2 + 0.6 * _smooth_images(2, 64, 128)  # content never 0
-    resized = resize_longest_and_pad(to_grey_levels(images), 224)
+    resized = hps_resize_max_size(images, 224)
     assert resized.shape == (2, 3, 224, 224)
     assert (resized[:, :, :56] == 0).all() and (resized[:, :, 168:] == 0).all()  # 112 rows of content, centred
     assert (resized[:, :, 56:168] > 0).all()
-    tall = resize_longest_and_pad(to_grey_levels(images.transpose(2, 3)), 224)
+    tall = hps_resize_max_size(images.transpose(2, 3), 224)
     assert (tall[..., :56] == 0).all() and (tall[..., 168:] == 0).all() and (tall[..., 56:168] > 0).all()
     normalized = hps_preprocess(images)
+    assert normalized.dtype == torch.float32
     pad_value = -torch.tensor(OPENAI_CLIP_MEAN) / torch.tensor(OPENAI_CLIP_STD)
     torch.testing.assert_close(normalized[0, :, 0, 0], pad_value)
 
 
-@pytest.mark.parametrize("h, w", [(64, 128), (128, 64), (64, 64), (300, 200), (37, 53)])
-def test_hps_preprocess_matches_open_clip_pil_transform(h, w):
+def _hps_reference(image: torch.Tensor) -> torch.Tensor:
+    """HPS v2's preprocess_val on one image, in plain torchvision (hpsv2 1.2.0, src/open_clip/transform.py).
+
+    image_transform(224, is_train=False, resize_longest_max=True): ToTensor() of the uint8 PIL image, then
+    ResizeMaxSize(224, fill=0): scale = 224 / max(h, w); new_size = round(dim * scale); F.resize(tensor,
+    new_size, BICUBIC) (antialias=True, torchvision's default since 0.17); F.pad([pad_w//2, pad_h//2,
+    pad_w - pad_w//2, pad_h - pad_h//2], fill=0); then Normalize(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD).
+    HPS guards resize and pad with ``if scale != 1.0`` (a 224x150 image stays 224x150); we pad it anyway.
+    """
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    tensor = TF.to_tensor(_to_pil(image))
+    h, w = tensor.shape[1:]
+    scale = 224 / float(max(h, w))
+    new_size = [round(dim * scale) for dim in (h, w)]
+    tensor = TF.resize(tensor, new_size, interpolation=InterpolationMode.BICUBIC, antialias=True)
+    pad_h, pad_w = 224 - new_size[0], 224 - new_size[1]
+    tensor = TF.pad(tensor, [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=0)
+    return TF.normalize(tensor, (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+
+
+@pytest.mark.parametrize("h, w", [
+    (64, 64),  # upscaled noise
+    (512, 384), (384, 512),  # downscaled, both orientations
+    (64, 128), (128, 64), (37, 53),  # upscaled non-square, odd padding
+    (224, 150), (150, 224),  # longer side already 224: HPS leaves these unpadded, we pad
+])
+def test_hps_preprocess_matches_hps_torchvision_transform(h, w):
+    from fastvideo.rewards.hpsv2 import hps_preprocess
+
+    g = torch.Generator().manual_seed(h * 1000 + w)
+    edges = torch.zeros(1, 3, h, w)
+    edges[..., w // 3:2 * w // 3] = 1.0  # hard edges, where bicubic overshoots [0, 1]
+    images = torch.cat([torch.rand(2, 3, h, w, generator=g), _smooth_images(1, h, w), edges])
+    ours = hps_preprocess(images)
+    reference = torch.stack([_hps_reference(image) for image in images])
+    assert ours.shape == reference.shape == (4, 3, 224, 224) and ours.dtype == torch.float32
+    assert (ours - reference).abs().max().item() < 1e-5
+    if max(h, w) == 224:  # unpadded by HPS: the content is the input itself, centred in zero padding
+        pad_h, pad_w = 224 - h, 224 - w
+        core = ours[..., pad_h // 2:pad_h // 2 + h, pad_w // 2:pad_w // 2 + w]
+        std = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(1, 3, 1, 1)
+        mean = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(1, 3, 1, 1)
+        torch.testing.assert_close(core * std + mean, (images * 255).round() / 255, rtol=0, atol=1e-6)
+
+
+def test_hps_preprocess_differs_from_open_clip_pil_transform():
+    """open_clip's PIL path (two uint8 passes, rounded and clipped) is what HPS's own transform is not."""
     from open_clip.transform import image_transform
 
     from fastvideo.rewards.hpsv2 import hps_preprocess
 
-    # HPS's image_transform(224, resize_longest_max=True, fill_color=0) is resize_mode="longest" in open_clip 3.x
     transform = image_transform(224, is_train=False, resize_mode="longest", fill_color=0)
-    images = torch.cat([_smooth_images(1, h, w), torch.rand(1, 3, h, w, generator=torch.Generator().manual_seed(2))])
-    ours = hps_preprocess(images)
-    reference = torch.stack([transform(_to_pil(image)) for image in images])
+    images = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))  # noise, upscaled 3.5x
+    pil_path = transform(_to_pil(images[0]))[None]
     std = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(1, 3, 1, 1)
-    grey_levels = ((ours - reference).abs() * std * 255).round()
-    assert ours.shape == reference.shape == (2, 3, 224, 224)
-    assert grey_levels.max() <= 2  # PIL rounds to 8 bits after each of its two resampling passes
-    assert (grey_levels > 0).float().mean() < 0.03
+    grey_levels = (hps_preprocess(images) - pil_path).abs() * std * 255
+    assert grey_levels.max() > 10  # ~45 levels measured
+    torch.testing.assert_close(hps_preprocess(images), _hps_reference(images[0])[None], rtol=0, atol=1e-5)
 
 
 def test_hps_loader_accepts_module_prefix(tmp_path, tiny_hps, hps_fn):
@@ -291,10 +336,11 @@ def test_hps_combined_with_jpeg(tiny_hps, hps_fn):
 def test_clipscore_on_tiny_open_clip(tiny_hps, hps_fn):
     ckpt, cfg = tiny_hps
     fn = build_reward("clipscore", "cpu", clip_checkpoint=str(ckpt), clip_model=str(cfg))
-    square = _smooth_images(3, 64, 64)
+    square = _smooth_images(3, 224, 224)
     scores = fn(square, PROMPTS)["clipscore"]
     assert torch.isfinite(scores).all() and scores.abs().max() <= 1.0
-    # On square images centre-crop and pad coincide: the same weights give HPS's cosine.
+    # At the input size neither crops, pads nor resizes (CLIP's PIL-style and HPS's tensor resize differ
+    # elsewhere), so the same weights give HPS's cosine.
     torch.testing.assert_close(scores, hps_fn(square, PROMPTS)["hpsv2"], rtol=0, atol=1e-5)
     wide = _smooth_images(3, 64, 128)
     assert not torch.allclose(fn(wide, PROMPTS)["clipscore"], hps_fn(wide, PROMPTS)["hpsv2"], atol=1e-4)

@@ -228,3 +228,22 @@ def test_config_and_input_errors(parts):
         _run(parts, _cfg(), [0, 1], [0])
     with pytest.raises(ValueError, match="geometry"):
         _run(parts, _cfg(height=128, width=128), [0], [0])
+
+
+def test_last_step_ode_scores_a_noise_free_image(parts):
+    """--last_step ode: the last step (sigma' = 0) is the Euler step, which is exactly its x0_hat, so the image is
+    the same as DanceGRPO's decode_x0 and carries none of the last step's SDE noise; with sde it does."""
+    prompt_ids, sample_indices = _groups(2, 2)
+    ode = _run(parts, _cfg(last_step="ode"), prompt_ids, sample_indices)
+    sde = _run(parts, _cfg(last_step="sde"), prompt_ids, sample_indices)
+    x0 = _run(parts, _cfg(last_step="sde", decode_x0=True), prompt_ids, sample_indices)
+    assert not ode.stochastic[:, -1].any() and ode.stochastic[:, :-1].all() and sde.stochastic.all()
+    assert (ode.log_probs[:, -1] == 0).all()
+    # identical up to the last step, whose result is x0_hat instead of a noisy sample
+    torch.testing.assert_close(ode.latents[:, :-1], sde.latents[:, :-1], rtol=0, atol=0)
+    torch.testing.assert_close(ode.clean_latents, x0.clean_latents, rtol=0, atol=1e-6)
+    assert (ode.clean_latents - sde.clean_latents).std() > 0.01  # the noise --last_step sde leaves in the image
+    with pytest.raises(ValueError, match="last_step"):
+        _cfg(last_step="maybe")
+    with pytest.raises(ValueError, match="last step"):
+        _cfg(last_step="ode", sde_window_size=2, sde_window_range=(0, STEPS))

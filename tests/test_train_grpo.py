@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, make_embeddings, run_torchrun
 
 from fastvideo.logging import read_metrics
 
@@ -39,13 +39,7 @@ def comparable(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
     """Embeddings of 16 prompts of assets/prompts.txt for the tiny model."""
-    out = tmp_path_factory.mktemp("emb")
-    prompts = out / "prompts.txt"
-    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:16]) + "\n")
-    subprocess.run([sys.executable, str(REPO / "preprocess_embeddings.py"), "--model_path", str(tiny_flux_dir),
-                    "--prompt_file", str(prompts), "--output_dir", str(out / "emb"), "--max_sequence_length", "32",
-                    "--device", "cpu"], check=True, cwd=REPO, capture_output=True)
-    return out / "emb" / "manifest.json"
+    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("emb"), 16, "--max_sequence_length", "32")
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,8 @@ def test_short_run_writes_every_metric(lora_run):
     required = {"reward_mean", "reward_std", "reward_jpeg_compressibility", "adv_mean", "adv_std", "adv_abs_max",
                 "zero_std_group_frac", "loss", "ratio_mean", "ratio_min", "ratio_max", "ratio_first_update",
                 "clipfrac", "approx_kl", "kl", "grad_norm", "skipped_updates", "lr", "time_rollout", "time_decode",
-                "time_reward", "time_train", "samples_per_s", "peak_memory_gb", "memory_baseline_gb"}
+                "time_reward", "time_train", "samples_per_s", "peak_memory_gb", "memory_baseline_gb",
+                "clipfrac_first_update", "low_std_group_frac"}
     for row in rows:
         missing = required - row.keys()
         assert not missing, f"metrics missing {missing}"
@@ -125,11 +120,25 @@ def test_lora_export_loads_in_stock_pipeline(lora_run, tiny_flux_dir):
     assert (tuned - base).abs().max() > 1e-4, "the trained LoRA does not change the pipeline's output"
 
 
-def test_full_finetune_export_loads(full_runs):
+def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
+    """final/ of a --use_ema run holds the EMA weights (from the last checkpoint's ema/ state), which differ from
+    both the base model and the raw trained weights."""
     from diffusers import FluxTransformer2DModel
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    model = FluxTransformer2DModel.from_pretrained(full_runs["fsdp2"] / "final", local_files_only=True)
-    assert sum(p.numel() for p in model.parameters()) > 0
+    run = full_runs["fsdp2"]
+    exported = FluxTransformer2DModel.from_pretrained(run / "final", local_files_only=True).state_dict()
+    base = FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer", local_files_only=True).state_dict()
+    dcp_to_torch_save(run / "checkpoints" / "step-2" / "ema", run / "ema.pt")
+    dcp_to_torch_save(run / "checkpoints" / "step-2" / "state", run / "state.pt")
+    ema = torch.load(run / "ema.pt", weights_only=False)["ema"]
+    raw = torch.load(run / "state.pt", weights_only=False)["model"]
+    assert set(exported) == set(ema) == set(base)
+    for name in exported:
+        torch.testing.assert_close(exported[name], ema[name], rtol=0, atol=0)
+    moved = max((exported[n] - base[n]).abs().max().item() for n in exported)
+    behind = max((exported[n] - raw[n]).abs().max().item() for n in exported)
+    assert moved > 1e-6 and behind > 1e-6, (moved, behind)
     rows = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9), "policy equals the reference before any update"
@@ -153,6 +162,68 @@ def test_fsdp1_and_fsdp2_agree(full_runs):
     for ra, rb in zip(a, b):
         for key in ("reward_mean", "loss", "grad_norm", "ratio_mean", "kl"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+
+
+@pytest.mark.parametrize("flags", [
+    ("--sde_window_size", "2", "--sde_type", "flow_sde"),
+    ("--sde_type", "dance_sde", "--eta", "0.3", "--decode_x0", "--init_same_noise", "--last_step", "sde"),
+    ("--sde_type", "cps", "--eta", "0.8", "--sde_window_size", "2", "--sde_window_range", "0", "3", "--last_step",
+     "sde", "--kl_beta", "0.04", "--lora_rank", "4"),
+], ids=["window", "dance_sde+decode_x0+init_same_noise", "cps+window+kl"])
+def test_sampler_variants_end_to_end(tiny_flux_dir, tiny_data, tmp_path, flags):
+    """2 ranks, 2 steps of each sampler variant: finite metrics and the on-policy ratio exactly 1 at the first update."""
+    out = tmp_path / "run"
+    args = common_args(tiny_flux_dir, tiny_data, out, "--max_train_steps", "2", *flags)
+    if "--sde_window_size" in flags:  # common_args sets --timestep_fraction, which a window run must not
+        i = args.index("--timestep_fraction")
+        del args[i:i + 2]
+    run_torchrun(args)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["ratio_first_update_max_dev"] < 1e-5 and row["clipfrac_first_update"] == 0.0
+        assert row["trained_timesteps"] == 2  # the window's 2 steps, or int(3 x 0.7)
+
+
+def test_silent_flags_are_refused(tiny_flux_dir, tiny_data, tmp_path):
+    """Flags that would do nothing are errors before anything loads."""
+    from fastvideo.config import parse_grpo_args, validate_grpo
+
+    def check(*extra: str, drop_fraction: bool = False) -> str:
+        args = common_args(tiny_flux_dir, tiny_data, tmp_path / "x", *extra)[1:]
+        if drop_fraction:
+            i = args.index("--timestep_fraction")
+            del args[i:i + 2]
+        with pytest.raises(ValueError) as err:
+            validate_grpo(parse_grpo_args(args), 2)
+        return str(err.value)
+
+    assert "--sde_window_size" in check("--sde_window_range", "0", "3")
+    assert "--timestep_fraction" in check("--sde_window_size", "2")
+    assert "--lr_scheduler constant_with_warmup" in check("--lr_scheduler", "constant", "--lr_warmup_steps", "10")
+    assert "--last_step sde" in check("--sde_window_size", "2", "--sde_window_range", "0", "4", drop_fraction=True)
+    assert "--fsdp_version 2" in check("--gradient_sync", "step", "--lora_rank", "4", "--fsdp_version", "1")
+    assert "--gradient_sync backward" in check("--gradient_sync", "step")
+    # the default without a window is DanceGRPO's 0.6; a window leaves it unset
+    args = common_args(tiny_flux_dir, tiny_data, tmp_path / "x")[1:]
+    i = args.index("--timestep_fraction")
+    del args[i:i + 2]
+    parsed = parse_grpo_args(args)
+    validate_grpo(parsed, 2)
+    assert parsed.timestep_fraction == 0.6
+
+
+def test_resume_below_the_checkpoint_step_is_refused(lora_run, tiny_flux_dir, tiny_data):
+    """--max_train_steps below the newest checkpoint's step: an error naming the fix, not a silent re-export."""
+    final = (lora_run / "final" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns
+    flags = [f for f in LORA_FLAGS]
+    flags[flags.index("--max_train_steps") + 1] = "3"
+    proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, lora_run, *flags,
+                                                        "--resume_from", "latest")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--max_train_steps 3 is below the step of the checkpoint" in proc.stderr
+    assert (lora_run / "final" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == final
 
 
 def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):

@@ -74,11 +74,10 @@ def pil_bicubic_resize(levels: torch.Tensor, size: tuple[int, int]) -> torch.Ten
 
 
 def resize_longest_and_pad(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPS v2's ResizeMaxSize, batched: bicubic-resize the longer side to ``size``, centre zero-pad to a square.
+    """open_clip's ``resize_mode="longest"`` on a uint8 PIL image, batched: PIL-bicubic the longer side, zero-pad.
 
-    (B,3,H,W) grey levels -> (B,3,size,size); the padding (value 0, before normalisation) is split like HPS:
-    left/top get ``pad // 2``, right/bottom the rest. (HPS skips the pad when the longer side is already
-    ``size``, leaving a non-square input its ViT cannot take; we always pad.)
+    (B,3,H,W) grey levels -> (B,3,size,size); left/top get ``pad // 2``, right/bottom the rest. Not HPS v2's
+    own transform, which resizes the float tensor once without rounding: see ``fastvideo.rewards.hpsv2``.
     """
     h, w = images.shape[-2:]
     scale = size / max(h, w)
@@ -107,7 +106,8 @@ def clip_pixels(images: torch.Tensor, size: int, mean: Sequence[float], std: Seq
     """(B,3,H,W) [0,1] -> (B,3,size,size) CLIP input built as the references' PIL pipeline builds it.
 
     Round to uint8 levels, PIL-bicubic resize, then ``pad=True``: longer side to ``size`` + centre zero-pad
-    (HPS v2) or ``pad=False``: shorter side to ``size`` + centre crop (CLIP), then normalise.
+    (open_clip's "longest" mode; HPS v2 uses ``hpsv2.hps_preprocess`` instead) or ``pad=False``: shorter side
+    to ``size`` + centre crop (CLIP), then normalise.
     """
     levels = to_grey_levels(images)
     levels = resize_longest_and_pad(levels, size) if pad else resize_shortest_and_center_crop(levels, size)

@@ -20,10 +20,10 @@ DEFAULT_MODEL = "ViT-H-14"
 class ClipScorer:
     """cos(image, prompt) under an open_clip model; loaded once, eval, no grad, on ``device``.
 
-    Subclasses change the preprocessing (``pad``) and the flags named in load errors (``flags``).
+    Subclasses change the preprocessing (``pixels``) and the flags named in load errors (``flags``).
     """
 
-    pad = False  # CLIP's eval transform crops the longer side; HPS v2 pads to square instead
+    pad = False  # CLIP's eval transform crops the longer side
     flags = ("--clip_model", "--clip_checkpoint", "clipscore")  # model flag, checkpoint flag, reward name
 
     def __init__(self, checkpoint: str | Path, model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"):
@@ -35,11 +35,15 @@ class ClipScorer:
     def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         return self.model.encode_text(self.tokenizer(prompts).to(self.device), normalize=True).float()
 
+    def pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """(B,3,H,W) in [0,1] on ``device`` -> the model's normalised input (CLIP's eval transform, batched)."""
+        p = self.preprocess
+        return clip_pixels(images, p["size"], p["mean"], p["std"], pad=self.pad)
+
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """(B,3,H,W) in [0,1] + B prompts -> (B,) float32 cosine similarities on ``device``."""
-        p = self.preprocess
-        pixels = clip_pixels(images.to(self.device), p["size"], p["mean"], p["std"], pad=self.pad)
+        pixels = self.pixels(images.to(self.device))
         image_features = self.model.encode_image(pixels, normalize=True).float()  # (B, D)
         return (image_features * encode_unique(prompts, self._encode_text)).sum(dim=-1)
 
