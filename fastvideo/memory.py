@@ -294,13 +294,16 @@ def plan_grpo(args: argparse.Namespace, counts: dict[str, int], world_size: int,
 
     # activations, measured on the meta device in the compute dtype
     sim = model if cdt == torch.float32 else _cast_quietly(model, cdt)
-    if args.gradient_checkpointing:
-        sim.enable_gradient_checkpointing()
     micro = args.train_batch_size
-    act = transformer_activation_bytes(sim, micro, L, T, cdt, train=True)
-    items.append(PlanItem(f"activations, micro-batch of {micro}", act, phase="train",
-                          note="with gradient checkpointing" if args.gradient_checkpointing else
-                          "no gradient checkpointing"))
+    act = {}
+    for ckpt in (False, True):  # both, so the plan shows what --gradient_checkpointing changes
+        sim.enable_gradient_checkpointing() if ckpt else sim.disable_gradient_checkpointing()
+        act[ckpt] = transformer_activation_bytes(sim, micro, L, T, cdt, train=True)
+    used = bool(args.gradient_checkpointing)
+    items.append(PlanItem(f"activations, micro-batch of {micro}", act[used], phase="train",
+                          note="with gradient checkpointing" if used else "no gradient checkpointing"))
+    items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
+                          phase="not used", note="not counted"))
     if args.kl_beta > 0:
         ref_act = transformer_activation_bytes(sim, micro, L, T, cdt, train=False)
         items.append(PlanItem("reference forward (no grad)", ref_act, phase="train", note="transient"))
