@@ -83,6 +83,12 @@ def process_group_backend(device_type: str, cpu_collectives: bool = False) -> st
     return f"{device_type}:{backend},cpu:gloo"
 
 
+def launch_env() -> tuple[int, int]:
+    """``(rank, world_size)`` as torchrun's environment gives them, without creating a process group (``(0, 1)``
+    outside torchrun): for work that only plans, such as ``--dry_run``."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str | None = None, timeout_minutes: int = 30,
                      cpu_collectives: bool = False) -> DistInfo:
     """Initialise from torchrun's environment (world size 1 without it) and pick the device.
@@ -93,8 +99,7 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 30,
     global _INFO
     if _INFO is not None:
         return _INFO
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world_size = launch_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     kind = pick_device_type(device)
     backend = process_group_backend(kind, cpu_collectives)

@@ -103,12 +103,11 @@ def dry_run(args: argparse.Namespace, validate, plan) -> None:
     """``--dry_run``: validate the flags for the planned world size, print the batch arithmetic and the memory plan
     (``plan(args, counts, world, device_type)``), exit. Needs no process group, no GPU and no weights: a folder of
     configs (``python -m fastvideo.tiny --preset flux-dev-config``) is enough."""
-    import os
-
-    world = args.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    rank, launched_world = D.launch_env()
+    world = args.dry_run_world_size or launched_world
     device_type = (args.device or D.pick_device_type()).split(":")[0]
     counts = validate(args, world)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if rank != 0:
         return
     print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
