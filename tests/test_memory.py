@@ -251,6 +251,16 @@ def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
     plan = _plan_lines(proc.stdout)
     assert 25 < plan["peak"] <= 80, proc.stdout  # 4 B params + 4 B grads + 8 B Adam + 4 B EMA / 8 alone: 27.7 GiB
     assert "fits in 80 GiB" in proc.stdout
+    for item in ("parameters (fp32 master, sharded)", "gradients (fp32, sharded)", "AdamW state", "EMA (fp32",
+                 "gathered parameters", "activations, micro-batch of 2", "(the same without gradient checkpointing)",
+                 "rollout forward (no grad)", "rollout buffers: latents B x (S+1) x L x C", "text embeddings",
+                 "VAE (fp32, frozen)", "VAE decode", "reward model hpsv2"):
+        assert item in proc.stdout, item
+    with_kl = run_single(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(folder), "--device", "cuda",
+                          "--output_dir", str(tmp_path / "out"), *RECIPE, "--kl_beta", "0.04", "--dry_run",
+                          "--dry_run_world_size", "8"])
+    ref_line = next(line for line in with_kl.stdout.splitlines() if "reference policy (frozen" in line)
+    assert " 2.77 " in ref_line, ref_line  # bf16: 2 B x 11.9B params / 8 ranks = 2.77 GiB, loaded, never a copy
 
 
 def test_plan_arithmetic_for_flux_dev(tmp_path):
