@@ -18,7 +18,6 @@ import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -213,12 +212,13 @@ def _param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
 
 # ------------------------------------------------------------------------------------------------ the plan
 def _text_tokens(args: argparse.Namespace) -> int:
-    path = getattr(args, "data_json_path", None)
-    if path:
-        manifest = Path(path) / "manifest.json" if Path(path).is_dir() else Path(path)
-        if manifest.is_file():
-            return int(json.loads(manifest.read_text()).get("max_sequence_length", 512))
-    return 512
+    """T5 tokens per prompt: the embeddings' ``max_sequence_length``, or FLUX's 512 when there are none yet."""
+    from fastvideo.data import EmbeddingDataset
+
+    try:
+        return EmbeddingDataset(args.data_json_path).max_sequence_length if args.data_json_path else 512
+    except FileNotFoundError:  # a plan may be made before preprocessing
+        return 512
 
 
 def _shard_size(strategy: str, world: int) -> int:

@@ -24,7 +24,9 @@ from fastvideo import distributed  # noqa: E402
 
 
 def _rss_mib() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+    from fastvideo.logging import current_memory_gb
+
+    return current_memory_gb(torch.device("cpu")) * 1024
 
 
 def _hwm_mib() -> float:
