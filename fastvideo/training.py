@@ -10,7 +10,7 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -99,7 +99,8 @@ def check_memory_flags(args: argparse.Namespace, world_size: int, device: torch.
             print(f"warning: {w}", flush=True)
 
 
-def dry_run(args: argparse.Namespace, validate, plan) -> None:
+def dry_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]],
+            plan: Callable[[argparse.Namespace, dict[str, int], int, str], Any]) -> None:
     """``--dry_run``: validate the flags for the planned world size, print the batch arithmetic and the memory plan
     (``plan(args, counts, world, device_type)``), exit. Needs no process group, no GPU and no weights: a folder of
     configs (``python -m fastvideo.tiny --preset flux-dev-config``) is enough."""
