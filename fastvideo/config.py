@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from fastvideo.parallel import GRADIENT_SYNC_MODES
+from fastvideo.rollout import LAST_STEP_MODES
 from fastvideo.schedulers import SDE_TYPES
 
 DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
@@ -57,7 +59,7 @@ class SamplingOptions:
         "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
         "code; chosen by measurement on the demo, see README) | ode = the deterministic Euler step, which is exactly "
         "its x0_hat, so the scored image carries no noise the policy cannot influence (the image DanceGRPO scores, "
-        "as --decode_x0 does)", choices=("sde", "ode"))
+        "as --decode_x0 does)", choices=LAST_STEP_MODES)
 
 
 @dataclass
@@ -120,7 +122,7 @@ class ParallelOptions:
         "fp32 gradient shard, 4 B/param/world; more communication) | step = once per optimizer step (every rank "
         "keeps unsharded fp32 gradients of all trainable params until then, 4 B/param: ~48 GB for a FLUX.1-dev full "
         "fine-tune, so LoRA only) | auto = step for LoRA, backward for full fine-tuning",
-        choices=("auto", "backward", "step"))
+        choices=("auto", *GRADIENT_SYNC_MODES))
 
 
 @dataclass

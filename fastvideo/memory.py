@@ -25,9 +25,11 @@ import torch
 GiB = 2**30
 
 # Parameters of the reward models (fp32 on the device): facts of the published architectures (open_clip ViT-H-14
-# image + text towers for HPS v2 / PickScore / CLIP score; ViT-L/14 + the LAION MLP for the aesthetic score).
+# image + text towers for HPS v2 / PickScore / CLIP score; CLIP ViT-L/14 + the LAION MLP 768-1024-128-64-16-1 of
+# rewards/aesthetic.py for the aesthetic score).
+_AESTHETIC_MLP = sum(i * o + o for i, o in ((768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)))
 REWARD_PARAMS = {"hpsv2": 986_109_440, "pickscore": 986_109_440, "clipscore": 986_109_440,
-                 "aesthetic": 427_616_513 + 1_010_000, "jpeg_compressibility": 0, "jpeg_incompressibility": 0}
+                 "aesthetic": 427_616_513 + _AESTHETIC_MLP, "jpeg_compressibility": 0, "jpeg_incompressibility": 0}
 
 
 @dataclass
