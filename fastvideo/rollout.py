@@ -13,7 +13,8 @@ principle 4, keyed by ``(step, prompt_id, sample_index, purpose)`` on the ``Nois
 
 So a sample's trajectory does not depend on the batch it was sampled in, the micro-batch size or the
 world size (up to the kernels' batch-size dependence). The SDE maths runs in float32 even when the
-transformer runs under ``torch.autocast``. ``eta == 0`` means a deterministic (ODE) rollout.
+transformer runs under ``torch.autocast``. ``eta == 0`` means a deterministic (ODE) rollout, with the Euler
+step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, DiffusionNFT's old-policy sampler).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fastvideo import flux
-from fastvideo.schedulers import SDE_TYPES, get_sigmas, ode_step, sde_noise_scale, sde_step_with_logprob
+from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
+                                  sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
 
 
@@ -56,6 +58,7 @@ class RolloutConfig:
     # "ode": it is the deterministic Euler step, which lands exactly on that step's x0_hat, so the scored image
     # carries no noise the policy cannot influence (same image as decode_x0, DanceGRPO's choice)
     last_step: str = "sde"
+    solver: str = "euler"  # ODE solver: "euler" or "dpm2" (DPM-Solver++(2M), deterministic: needs eta=0)
 
     def __post_init__(self) -> None:
         S = self.sampling_steps
@@ -69,6 +72,11 @@ class RolloutConfig:
             raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
         if self.last_step not in LAST_STEP_MODES:
             raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
+        if self.solver not in ODE_SOLVERS:
+            raise ValueError(f"solver must be one of {ODE_SOLVERS}, got {self.solver!r}")
+        if self.solver == "dpm2" and self.eta != 0:
+            raise ValueError(f"--solver dpm2 is an ODE solver: it needs --eta 0 (deterministic sampling), "
+                             f"got eta={self.eta}")
         if not 0 <= self.sde_window_size <= S:
             raise ValueError(f"sde_window_size must be in [0, sampling_steps={S}], got {self.sde_window_size}")
         if self.sde_window_range is None:
@@ -211,12 +219,18 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         latents[mb, 0] = x
         embeds = embeds_all[mb].to(device)
         pooled = pooled_all[mb].to(device)
+        prev_x0 = prev_sigma = None  # dpm2: the previous step's x0_hat and sigma (first step first order)
         for i in range(S):
             with _autocast(device, autocast_dtype):
                 v = flux.predict_velocity(transformer, x, sigma_list[i], embeds, pooled, img_ids, txt_ids,
                                           guidance=cfg.guidance)
             v = v.float()
-            x_next = ode_step(v, x, sigma_list[i], sigma_list[i + 1])
+            if cfg.solver == "dpm2":
+                x_next, prev_x0 = dpm2_step(v, x, sigma_list[i], sigma_list[i + 1], prev_x0=prev_x0,
+                                            sigma_prev=prev_sigma)
+                prev_sigma = sigma_list[i]
+            else:
+                x_next = ode_step(v, x, sigma_list[i], sigma_list[i + 1])
             if sde_noise is not None and bool(stochastic[mb, i].any()):
                 x_sde, lp, _, _ = sde_step_with_logprob(
                     v, x, sigma_list[i], sigma_list[i + 1], sde_type=cfg.sde_type, eta=cfg.eta,
@@ -313,16 +327,9 @@ def noised_velocity(transformer: torch.nn.Module, x0: torch.Tensor, noise: torch
     """The forward process and the model on it: ``x_σ = (1-σ)·x0 + σ·ε`` for packed clean latents ``x0`` (b, L, C),
     noise ``ε`` (b, L, C) and ``sigma`` (b,); returns ``(v_hat, v* = ε - x0)``, both (b, L, C) float32.
     ``batch`` holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
-    dev = x0.device
-    x0, noise = x0.float(), noise.to(dev, torch.float32)
-    s = sigma.to(dev, torch.float32).view(-1, 1, 1)
-    x_t = (1 - s) * x0 + s * noise
-    embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    img_ids = flux.image_ids(geometry, dev, embeds.dtype)
-    txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
-    with _autocast(dev, autocast_dtype):
-        v = flux.predict_velocity(transformer, x_t, s.view(-1), embeds, pooled, img_ids, txt_ids, guidance=guidance)
-    return v.float(), noise - x0
+    x_t = forward_noise(x0, noise, sigma)
+    v = model_velocity(transformer, x_t, sigma, batch, geometry, guidance=guidance, autocast_dtype=autocast_dtype)
+    return v, noise.to(x0.device, torch.float32) - x0.float()
 
 
 def pair_noise(noise: NoiseSource, shape: tuple[int, ...], step: int, pair_keys: list[int],
@@ -350,3 +357,39 @@ def pair_errors(transformer: torch.nn.Module, x0_w: torch.Tensor, x0_l: torch.Te
     err = flow_matching_error(*noised_velocity(transformer, torch.cat([x0_w, x0_l]), twice(eps), twice(sigma), cond,
                                                geometry, guidance=guidance, autocast_dtype=autocast_dtype))
     return err[:b], err[b:]
+
+
+def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The rectified-flow forward process ``x_σ = (1-σ)·x0 + σ·ε`` in float32 for packed latents (b, L, C) and a
+    per-sample ``sigma`` (b,)."""
+    s = sigma.to(x0.device, torch.float32).view(-1, 1, 1)
+    return (1 - s) * x0.float() + s * noise.to(x0.device, torch.float32)
+
+
+def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, batch: dict,
+                   geometry: flux.LatentGeometry, *, guidance: float | None,
+                   autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The model's velocity (b, L, C) float32 at latents ``x_t`` (b, L, C) and per-sample ``sigma`` (b,); ``batch``
+    holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
+    dev = x_t.device
+    embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
+    img_ids = flux.image_ids(geometry, dev, embeds.dtype)
+    txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
+    with _autocast(dev, autocast_dtype):
+        v = flux.predict_velocity(transformer, x_t, sigma.to(dev, torch.float32).view(-1), embeds, pooled, img_ids,
+                                  txt_ids, guidance=guidance)
+    return v.float()
+
+
+def nft_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_indices: list[int],
+                  sampling_steps: int, timestep_fraction: float) -> torch.Tensor:
+    """(B, K) LongTensor (CPU): indices into the sampling grid's S sigmas (never the final 0) that DiffusionNFT trains
+    per sample: the first ``K = int(S * timestep_fraction)`` of a per-sample permutation (purpose "nft_timesteps",
+    keyed by ``(step, prompt_id, sample_index)``: independent of batch layout and world size)."""
+    K = int(sampling_steps * timestep_fraction)
+    if K < 1:
+        raise ValueError(f"timestep_fraction {timestep_fraction} x sampling_steps {sampling_steps} trains no "
+                         "timestep; raise one of them")
+    perms = [noise.randperm(sampling_steps, step=step, prompt_id=p, sample_index=s, purpose="nft_timesteps")[:K]
+             for p, s in zip(prompt_ids, sample_indices)]
+    return torch.stack(perms).to(torch.long)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 SDE_TYPES = ("flow_sde", "dance_sde", "cps")
+ODE_SOLVERS = ("euler", "dpm2")  # deterministic rollout solvers: ode_step, dpm2_step
 
 Sigma = float | torch.Tensor
 
@@ -66,11 +67,12 @@ def get_sigmas(num_steps: int, *, shift: float | None = None, image_seq_len: int
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
 
 
-def _sigma_tensor(sigma: Sigma, sample: torch.Tensor, name: str) -> torch.Tensor:
-    """``sigma`` as float32 on ``sample``'s device: 0-d, or (B, 1, ..., 1) for a per-sample (B,) tensor."""
+def _sigma_tensor(sigma: Sigma, sample: torch.Tensor, name: str,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``sigma`` as ``dtype`` (float32) on ``sample``'s device: 0-d, or (B, 1, ..., 1) for a per-sample (B,) tensor."""
     if not torch.is_tensor(sigma):
-        return torch.tensor(float(sigma), dtype=torch.float32, device=sample.device)
-    s = sigma.to(device=sample.device, dtype=torch.float32)
+        return torch.tensor(float(sigma), dtype=dtype, device=sample.device)
+    s = sigma.to(device=sample.device, dtype=dtype)
     if s.ndim == 0:
         return s
     if s.ndim != 1 or s.shape[0] != sample.shape[0]:
@@ -185,3 +187,47 @@ def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sig
     x = sample.to(torch.float32)
     dt = _sigma_tensor(sigma_next, x, "sigma_next") - _sigma_tensor(sigma, x, "sigma")
     return x + dt * model_output.to(torch.float32)
+
+
+def _half_log_snr(sigma: torch.Tensor) -> torch.Tensor:
+    """``lambda(sigma) = log(alpha / sigma)`` with ``alpha = 1 - sigma`` (-inf at sigma = 1), in the input's dtype."""
+    return torch.log1p(-sigma) - torch.log(sigma)
+
+
+def dpm2_step(model_output: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma, *,
+              prev_x0: torch.Tensor | None = None, sigma_prev: Sigma | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DPM-Solver++(2M) step (multistep, x0-parametrised, deterministic); returns ``(x_next, x0_hat)`` in float32.
+
+    With ``x0_hat = x - sigma*v``, ``alpha = 1 - sigma``, ``lambda = log(alpha/sigma)``, ``h = lambda' - lambda``:
+    ``x' = (sigma'/sigma)*x + alpha'*(1 - e^-h)*D``, and ``alpha'*(1 - e^-h) = 1 - sigma'/sigma`` for flow matching.
+    First order (``D = x0_hat``, the Euler step up to rounding) when ``prev_x0`` is None, at ``sigma' = 0`` (returns
+    ``x0_hat`` exactly) and where ``sigma_prev == 1`` (lambda = -inf: the r -> inf limit of the formula below).
+    Second order otherwise: ``r = (lambda - lambda(sigma_prev)) / h``,
+    ``D = (1 + 1/(2r))*x0_hat - 1/(2r)*prev_x0``, where ``prev_x0`` is the previous step's ``x0_hat`` at
+    ``sigma_prev``. Pass this step's ``x0_hat`` and ``sigma`` as ``prev_x0``/``sigma_prev`` to the next step.
+    Coefficients are computed in float64.
+    """
+    v = model_output.to(torch.float32)
+    x = sample.to(torch.float32)
+    sig = _sigma_tensor(sigma, x, "sigma", torch.float64)
+    sig_next = _sigma_tensor(sigma_next, x, "sigma_next", torch.float64)
+    x0_hat = x - sig.to(torch.float32) * v
+    ratio = sig_next / sig
+    d = x0_hat
+    if prev_x0 is not None:
+        if sigma_prev is None:
+            raise ValueError("dpm2_step: prev_x0 needs sigma_prev (the sigma at which prev_x0 was predicted)")
+        sig_prev = _sigma_tensor(sigma_prev, x, "sigma_prev", torch.float64)
+        second = (sig_prev < 1) & (sig_next > 0)  # where the two-step formula is defined
+        if bool(second.any()):
+            safe = lambda s, fill: torch.where(second, s, torch.full_like(s, fill))  # noqa: E731 (no inf/nan)
+            lam = _half_log_snr(safe(sig, 0.5))
+            h = _half_log_snr(safe(sig_next, 0.25)) - lam
+            h_prev = lam - _half_log_snr(safe(sig_prev, 0.75))
+            c_prev = torch.where(second, h / (2 * h_prev), torch.zeros_like(h))  # 1/(2r)
+            c_prev = c_prev.to(torch.float32)
+            d = (1 + c_prev) * x0_hat - c_prev * prev_x0.to(torch.float32)
+    x_next = ratio.to(torch.float32) * x + (1 - ratio).to(torch.float32) * d
+    x_next = torch.where(sig_next == 0, x0_hat, x_next)
+    return x_next, x0_hat
