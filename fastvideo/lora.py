@@ -43,8 +43,13 @@ def add_lora(
     target_modules: list[str] | None = None,
     init_seed: int | None = None,
     adapter_name: str = "default",
+    trainable: bool = True,
 ) -> nn.Module:
     """Add a peft LoRA adapter (``transformer.add_adapter(LoraConfig(...))``) and freeze everything else.
+
+    ``trainable=False`` adds a frozen adapter next to the existing ones (DiffusionNFT's ``old`` policy): the
+    adapters already there keep their ``requires_grad`` and the active adapter stays the one active before (peft
+    would make the new one active and trainable).
 
     ``target_modules`` defaults to ``DEFAULT_LORA_TARGET_MODULES``. With ``init_seed`` the adapter starts from
     ``initial_adapter_weights(model, init_seed)`` (peft's init, each lora_A from a generator keyed by its name); without
@@ -64,12 +69,16 @@ def add_lora(
                          "model (call it before shard_model)")
     targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True)
+    trainable_before = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    active_before = [(layer, layer._active_adapter) for layer in _tuner_layers(transformer)]
     try:
-        if init_seed is None:
-            transformer.add_adapter(config, adapter_name=adapter_name)
-        else:
-            with torch.random.fork_rng(devices=[]):  # peft's own init draws are overwritten below
+        with warnings.catch_warnings():  # a second adapter (NFT's "old") is what we mean
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            if init_seed is None:
                 transformer.add_adapter(config, adapter_name=adapter_name)
+            else:
+                with torch.random.fork_rng(devices=[]):  # peft's own init draws are overwritten below
+                    transformer.add_adapter(config, adapter_name=adapter_name)
     except ValueError as err:
         if "Target modules" in str(err) or "not found" in str(err):
             raise ValueError(f"--lora_target_modules {targets} matched no layer of {type(transformer).__name__}: "
@@ -77,9 +86,12 @@ def add_lora(
         raise
     for name, param in transformer.named_parameters():
         is_adapter = f".{adapter_name}." in name and "lora_" in name
-        param.requires_grad_(is_adapter)
+        other_adapter = "lora_" in name and not is_adapter
+        param.requires_grad_(trainable if is_adapter else other_adapter and name in trainable_before)
         if is_adapter and param.dtype != torch.float32:
             param.data = param.data.float()
+    for layer, active in active_before:  # peft activated the new adapter; keep the previous choice
+        layer._active_adapter = active
     if init_seed is not None and not any(p.is_meta for p in transformer.parameters()):
         # the same values a meta-built, sharded model gets from fill_local_shards(initial_adapter_weights(...))
         from fastvideo.weights import fill_local_shards
@@ -148,6 +160,29 @@ def disable_adapters(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for layer, state in zip(layers, previous):
             layer._disable_adapters = state
+
+
+@contextmanager
+def use_adapter(model: nn.Module, adapter_name: str) -> Iterator[nn.Module]:
+    """Run ``model`` with only the LoRA adapter ``adapter_name`` active inside the ``with`` block (e.g. DiffusionNFT's
+    frozen ``old`` adapter, under ``torch.no_grad()``).
+
+    Like ``disable_adapters`` it only flips peft's per-layer switch and never touches ``requires_grad`` (peft's
+    ``set_adapter`` would make the adapter trainable and freeze the others), so it is safe under FSDP1/FSDP2 and
+    leaves the optimizer's parameters as they are. Restores the previous adapters on exit, even on error.
+    """
+    layers = _tuner_layers(model)
+    if not any(adapter_name in getattr(layer, "lora_A", {}) for layer in layers):
+        raise ValueError(f"the model has no LoRA adapter named {adapter_name!r}; add it with add_lora(..., "
+                         f"adapter_name={adapter_name!r})")
+    previous = [layer._active_adapter for layer in layers]
+    for layer in layers:
+        layer._active_adapter = [adapter_name]
+    try:
+        yield model
+    finally:
+        for layer, state in zip(layers, previous):
+            layer._active_adapter = state
 
 
 def lora_config(model: nn.Module, adapter_name: str = "default") -> Any:

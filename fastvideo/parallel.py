@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -354,7 +354,7 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     version = fsdp_version_of(model)
-    frozen = {name for name, p in _clean_named_parameters(model) if not p.requires_grad} if trainable_only else set()
+    frozen = {name for name, p in clean_named_parameters(model) if not p.requires_grad} if trainable_only else set()
     if version == 0:
         if not distributed.is_main_process():
             return {}
@@ -416,11 +416,12 @@ def clean_name(name: str) -> str:
     return name
 
 
-def _clean_named_parameters(model: nn.Module):
+def clean_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``named_parameters()`` with FSDP1 wrapper prefixes removed (the names of the unwrapped model)."""
     for name, p in model.named_parameters():
         yield clean_name(name), p
 
 
 def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(clean name, parameter)`` for every parameter with ``requires_grad`` (local shards under FSDP)."""
-    return [(n, p) for n, p in _clean_named_parameters(model) if p.requires_grad]
+    return [(n, p) for n, p in clean_named_parameters(model) if p.requires_grad]
