@@ -76,12 +76,8 @@ def train(args: argparse.Namespace) -> None:
             policy.model.train()
             images, t_sample, t_decode = traj.images, traj.timings["sample"], traj.timings["decode"]
 
-            # ---- 2. score, gathered over ranks (a prompt group may span ranks) ----------------------
-            t0 = time.perf_counter()
-            rewards = run.reward_fn(traj.images, batch["prompts"])
-            t_reward = time.perf_counter() - t0
-            stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
-            all_rewards = dict(zip(rewards, D.all_gather_tensor(stacked).unbind(dim=1)))  # name -> (P*G,)
+            # ---- 2. score, gathered over ranks (a prompt group may span ranks): name -> (P*G,) ------
+            all_rewards, t_reward = run.score(traj.images, batch["prompts"])
             all_latents = D.all_gather_tensor(traj.clean_latents.cpu())  # (P*G, L, C)
 
             # ---- 3. pair: best vs worst of each group; this rank's share of the kept pairs ----------
@@ -94,7 +90,7 @@ def train(args: argparse.Namespace) -> None:
             pair_keys = pair_prompts  # a prompt is in a step once: its id keys the pair's noise
             metrics = {"reward_mean": all_rewards["total"].mean(),
                        "reward_std": all_rewards["total"].std(unbiased=False),
-                       **{f"reward_{k}": v.mean() for k, v in all_rewards.items() if k != "total"},
+                       **training.reward_metrics(all_rewards),
                        "reward_margin": found.gap[kept].mean() if len(kept) else 0.0,
                        "skipped_pairs": int((~found.keep).sum())}
         else:

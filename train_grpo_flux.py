@@ -16,7 +16,7 @@ import torch
 
 from fastvideo import distributed as D
 from fastvideo import flux, training
-from fastvideo.advantages import group_advantages
+from fastvideo.training import rank_mean
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.losses import first_update_check, grpo_loss, kl_loss
@@ -63,22 +63,12 @@ def train(args: argparse.Namespace) -> None:
         policy.model.train()
         t_rollout = time.perf_counter() - t0
 
-        # ---- 2. reward (batched), gathered over ranks ---------------------------------------------
-        t0 = time.perf_counter()
-        rewards = run.reward_fn(traj.images, batch["prompts"])
-        t_reward = time.perf_counter() - t0
-        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
-        all_rewards = dict(zip(rewards, D.all_gather_tensor(stacked).unbind(dim=1)))  # name -> (P*G,)
+        # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) -----------------------------
+        all_rewards, t_reward = run.score(traj.images, batch["prompts"])
 
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         n_local = len(samples.prompt_ids)
-        group_ids = torch.arange(args.prompts_per_step).repeat_interleave(args.num_generations)  # (P*G,)
-        all_prompt_ids = D.all_gather_tensor(traj.prompt_ids)
-        expected_ids = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
-        assert torch.equal(all_prompt_ids, expected_ids), "gathered samples are not in prompt-group order"
-        adv_all, adv_metrics = group_advantages(all_rewards["total"], group_ids, global_std=args.global_std,
-                                                adv_clip_max=args.adv_clip_max, eps=args.adv_eps)
-        advantages = adv_all[dist.rank * n_local:(dist.rank + 1) * n_local].to(device)
+        adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
 
         # ---- 4. policy update: micro-batches x trained timesteps, clipped ratio loss --------------
         t0 = time.perf_counter()
@@ -126,7 +116,7 @@ def train(args: argparse.Namespace) -> None:
         step_time = t_rollout + t_reward + t_train
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
-            **{f"reward_{k}": v.mean() for k, v in all_rewards.items() if k != "total"},
+            **training.reward_metrics(all_rewards),
             "adv_mean": adv_all.mean(), "adv_std": adv_all.std(unbiased=False), "adv_abs_max": adv_all.abs().max(),
             "loss": rank_mean(losses), "kl": rank_mean(kls) if kls else 0.0, "clipfrac": rank_mean(clipfracs),
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
@@ -143,12 +133,6 @@ def train(args: argparse.Namespace) -> None:
         run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"})
 
     run.finish()
-
-
-def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:
-    """Mean of this rank's 0-d metric tensors, averaged over ranks (every rank has the same count)."""
-    local = torch.stack([v.detach().float().cpu() for v in values]).mean()
-    return D.all_reduce_sum(local) / D.get_world_size()
 
 
 if __name__ == "__main__":

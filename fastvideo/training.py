@@ -36,6 +36,7 @@ class Policy:
     ema: Any | None
     config: dict
     ref_snapshot: Any | None = None  # ckpt.EMA with decay 0: a sharded copy of the trained weights (updated reference)
+    old: OldPolicy | None = None  # DiffusionNFT's old policy (adapter "old" or a sharded copy)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[torch.nn.Module]:
@@ -59,20 +60,109 @@ class Policy:
 
     def shadows(self) -> dict[str, Any]:
         """Sharded weight copies a checkpoint must hold besides the model and EMA."""
-        return {"reference": self.ref_snapshot} if self.ref_snapshot is not None else {}
+        found = {"reference": self.ref_snapshot, "old": self.old}
+        return {name: obj for name, obj in found.items() if obj is not None}
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+class OldPolicy:
+    """DiffusionNFT's old policy v_old (REFERENCE §6): it samples the rollouts and anchors the implicit v⁺/v⁻.
+
+    LoRA: a second, frozen adapter ``old`` in the same sharded model (``active()`` switches to it without touching
+    ``requires_grad``, so only ``default`` is trained and in the optimizer). Full fine-tune: a second sharded
+    transformer with fp32 master weights (computed in the compute dtype through FSDP's mixed precision; fp32 because
+    ``old <- d*old + (1-d)*theta`` with d up to 0.999 moves by ~1e-3 of a difference, below bf16's resolution).
+    Either way each rank holds its old shard aligned with its shard of the trained weights (FSDP2 shards both alike),
+    so ``update`` is one local ``lerp`` with no communication. Checkpointed as the shadow ``old``
+    (``swap_into``/``capture``/``counters``: the protocol ``checkpoint.EMA`` has), hence restored exactly.
+    """
+
+    ADAPTER = "old"
+
+    def __init__(self, model: torch.nn.Module, old_model: torch.nn.Module | None = None) -> None:
+        self.model, self.old_model = model, old_model
+        named = parallel.named_trainable_parameters(model)
+        source = dict(parallel.clean_named_parameters(old_model if old_model is not None else model))
+        rename = (lambda n: n) if old_model is not None else (lambda n: n.replace(".default.", f".{self.ADAPTER}."))
+        missing = [rename(n) for n, _ in named if rename(n) not in source]
+        if missing:
+            raise ValueError(f"the old policy lacks {len(missing)} of the trained parameters, e.g. {missing[:2]}")
+        self.names = [n for n, _ in named]
+        self._theta = [p for _, p in named]
+        self._old = [source[rename(n)] for n, _ in named]
+        for name, a, b in zip(self.names, self._theta_locals(), self._old_locals()):
+            assert a.shape == b.shape, f"old policy shard of {name} is not aligned with the trained shard"
+        self.num_updates = 0
+
+    def _theta_locals(self) -> list[torch.Tensor]:
+        return [ckpt._local(p).detach() for p in self._theta]
+
+    def _old_locals(self) -> list[torch.Tensor]:
+        return [ckpt._local(p).detach() for p in self._old]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[torch.nn.Module]:
+        """The model computing v_old (use under ``torch.no_grad()``)."""
+        if self.old_model is not None:
+            yield self.old_model
+        else:
+            with lora.use_adapter(self.model, self.ADAPTER):
+                yield self.model
+
+    def _reshard(self) -> None:
+        parallel.reshard(self.model)
+        if self.old_model is not None:
+            parallel.reshard(self.old_model)
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        """``old <- decay*old + (1-decay)*theta`` on every local shard (one fused foreach op)."""
+        self._reshard()
+        torch._foreach_lerp_(self._old_locals(), self._theta_locals(), 1.0 - float(decay))
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Set the old policy to the current trained weights (``update(0)`` without counting)."""
+        self._reshard()
+        torch._foreach_copy_(self._old_locals(), self._theta_locals())
+
+    @contextlib.contextmanager
+    def swap_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Temporarily put the old weights into the trained parameters (checkpointing reads/writes them there)."""
+        assert model is self.model, "OldPolicy.swap_into: not the model the old policy was built on"
+        self._reshard()
+        with torch.no_grad():
+            theta = self._theta_locals()
+            backup = [t.clone() for t in theta]
+            torch._foreach_copy_(theta, self._old_locals())
+        try:
+            yield model
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                torch._foreach_copy_(self._theta_locals(), backup)
+
+    def counters(self) -> dict:
+        return {"num_updates": self.num_updates}
+
+    def load_counters(self, counters: dict | None) -> None:
+        if counters:
+            self.num_updates = int(counters["num_updates"])
+
+
 def build_policy(args: argparse.Namespace, device: torch.device, *, need_reference: bool,
-                 ref_snapshot: bool = False) -> Policy:
+                 ref_snapshot: bool = False, old_policy: bool = False) -> Policy:
     """Build the transformer on the meta device, add LoRA (rank > 0) or train it whole, shard, load each rank's
     shards from the safetensors, keep a frozen reference if needed, EMA.
 
     ``ref_snapshot``: the reference is instead a sharded fp32 copy of the trained weights (adapters for LoRA), equal
     to the loaded weights until ``Policy.update_reference()`` (online DPO's ``--ref_update_interval``); swapped into
-    the model for reference passes, so no second model is built.
+    the model for reference passes, so no second model is built. ``old_policy``: DiffusionNFT's ``OldPolicy``, equal
+    to the trained weights at the start (LoRA: a frozen adapter ``old`` initialised like ``default``; full fine-tune:
+    a second sharded fp32 transformer loaded from the folder).
 
     No rank ever holds the whole model (DESIGN principle 8): host RAM per node is ~1x the fp32 model. The reference
     of a full fine-tune is loaded the same way, in the compute dtype (bf16 on accelerators), never copied from the
@@ -86,6 +176,12 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
         lora.add_lora(transformer, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
                       target_modules=args.lora_target_modules, init_seed=args.seed)
         adapter_init = lora.initial_adapter_weights(transformer, args.seed)  # shapes read before sharding
+        if old_policy:  # a frozen second adapter starting equal to "default" (the same makers under its names)
+            lora.add_lora(transformer, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
+                          target_modules=args.lora_target_modules, init_seed=args.seed,
+                          adapter_name=OldPolicy.ADAPTER, trainable=False)
+            adapter_init.update({k.replace(".default.", f".{OldPolicy.ADAPTER}."): make
+                                 for k, make in list(adapter_init.items())})
     transformer.train()
     shard_kwargs = dict(fsdp_version=args.fsdp_version, sharding_strategy=args.fsdp_sharding_strategy,
                         mixed_precision=_fsdp_precision(args.mixed_precision, device),
@@ -103,10 +199,19 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
         frozen_ref = parallel.shard_model(frozen_ref.requires_grad_(False).eval(), gradient_checkpointing=False,
                                           **shard_kwargs)
         weights.load_safetensors_into(frozen_ref, folder)
+    old = None
+    if old_policy:
+        old_model = None
+        if not is_lora:  # fp32 master weights like the trained copy, so both shard alike (see OldPolicy)
+            old_model = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+            old_model = parallel.shard_model(old_model.requires_grad_(False).eval(), gradient_checkpointing=False,
+                                             **shard_kwargs)
+            weights.load_safetensors_into(old_model, folder)
+        old = OldPolicy(transformer, old_model)
     ema = ckpt.EMA(transformer, decay=args.ema_decay, warmup=args.ema_warmup) if args.use_ema else None
     snapshot = ckpt.EMA(transformer, decay=0.0, warmup=False) if ref_snapshot else None
     return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config,
-                  ref_snapshot=snapshot)
+                  ref_snapshot=snapshot, old=old)
 
 
 def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]) -> None:
@@ -192,7 +297,8 @@ RESUME_KEYS = ("pretrained_model_name_or_path", "lora_rank", "lora_alpha", "lora
                "guidance_scale", "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step",
                "timestep_fraction", "clip_range", "adv_clip_max", "global_std", "adv_eps", "kl_beta", "reward",
                "learning_rate", "lr_scheduler", "lr_warmup_steps", "use_ema", "ema_decay", "ema_warmup", "batch_arithmetic",
-               "beta_dpo", "sampler", "min_reward_gap", "timesteps_per_pair", "ref_update_interval", "preference_file")
+               "beta_dpo", "sampler", "min_reward_gap", "timesteps_per_pair", "ref_update_interval", "preference_file",
+               "nft_beta", "adv_mode", "old_decay_schedule", "old_update_interval", "solver")
 
 
 def saved_run_config(resume_dir: Path) -> dict | None:
@@ -287,7 +393,8 @@ def rollout_config(args: argparse.Namespace) -> Any:
                          eta=args.eta, shift=args.shift, guidance=args.guidance_scale,
                          sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
                          init_same_noise=args.init_same_noise, decode_x0=args.decode_x0,
-                         batch_size=args.rollout_batch_size, last_step=args.last_step)
+                         batch_size=args.rollout_batch_size, last_step=args.last_step,
+                         solver=getattr(args, "solver", "euler"))
 
 
 @dataclass
@@ -328,7 +435,7 @@ class Run:
         return Path(self.args.output_dir)
 
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
-                    optimizer_steps: int) -> None:
+                    old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
         paths first), policy (+ reference, EMA), optimizer, LR schedule (``optimizer_steps`` long) and VAE."""
         from fastvideo.config import save_config
@@ -341,7 +448,8 @@ class Run:
         self.memory_baseline = current_memory_gb(self.device, import_model_libraries=True)
         if reward:
             self.reward_fn = build_reward(args.reward, self.device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
-        self.policy = build_policy(args, self.device, need_reference=need_reference, ref_snapshot=ref_snapshot)
+        self.policy = build_policy(args, self.device, need_reference=need_reference, ref_snapshot=ref_snapshot,
+                                   old_policy=old_policy)
         self.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, self.policy.is_lora) == "backward"
         self.optimizer = build_optimizer(self.policy, args)  # right after sharding (FSDP2 swaps in DTensors)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, optimizer_steps)
@@ -369,6 +477,33 @@ class Run:
                                     resume_step=self.start_step if self.resume_dir else None)
         self.bar = progress_bar(args.max_train_steps, self.start_step, enabled=self.dist.is_main and args.progress_bar)
         return self.start_step
+
+    def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
+        """Reward this rank's images in one batched call, all-gathered over ranks: ``name -> (P*G,)`` CPU float32 in
+        global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent."""
+        import time
+
+        t0 = time.perf_counter()
+        rewards = self.reward_fn(images, prompts)
+        seconds = time.perf_counter() - t0
+        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
+        return dict(zip(rewards, D.all_gather_tensor(stacked).unbind(dim=1))), seconds
+
+    def advantages(self, rewards: torch.Tensor, samples: Any, prompt_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Group advantages (REFERENCE §3) of the step's gathered ``rewards`` (P*G,) with --global_std/--adv_clip_max/
+        --adv_eps: ``(all advantages (P*G,), their metrics, this rank's slice on the device)``. ``prompt_ids``: this
+        rank's samples' prompt ids (checked against the sampler's group order after gathering)."""
+        from fastvideo.advantages import group_advantages
+
+        args = self.args
+        group_ids = torch.arange(args.prompts_per_step).repeat_interleave(args.num_generations)  # (P*G,)
+        expected = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
+        assert torch.equal(D.all_gather_tensor(prompt_ids.cpu()), expected), "gathered samples are not in group order"
+        adv_all, metrics = group_advantages(rewards, group_ids, global_std=args.global_std,
+                                            adv_clip_max=args.adv_clip_max, eps=args.adv_eps)
+        n = len(prompt_ids)
+        return adv_all, metrics, adv_all[self.dist.rank * n:(self.dist.rank + 1) * n].to(self.device)
 
     def set_gradient_sync(self, last_backward: bool) -> None:
         """Before each backward: reduce-scatter now (--gradient_sync backward) or only on a cycle's last backward."""
@@ -452,3 +587,14 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
 def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The tensors of an ``EmbeddingDataset.get_batch`` dict moved to ``device`` (other entries kept)."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``reward_<component>`` means of gathered rewards (the total is logged as reward_mean/reward_std)."""
+    return {f"reward_{k}": v.mean() for k, v in rewards.items() if k != "total"}
+
+
+def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """Mean of this rank's 0-d metric tensors, averaged over ranks (every rank has the same count)."""
+    local = torch.stack([v.detach().float().cpu() for v in values]).mean()
+    return D.all_reduce_sum(local) / D.get_world_size()
