@@ -69,16 +69,20 @@ class GroupOptions:
 
 
 @dataclass
-class GRPOOptions:
-    timestep_fraction: float | None = opt(
-        None, "fraction of the S-1 non-final steps trained per sample (DanceGRPO; default 0.6); not with "
-        "--sde_window_size, where the window's steps are trained")
-    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
+class AdvantageOptions:
     adv_clip_max: float = opt(5.0, "advantages (in reward-std units) are clamped to [-adv_clip_max, adv_clip_max]")
     global_std: bool = opt(False, "normalise advantages by the whole batch's reward std (Flow-GRPO) "
                                   "instead of each group's (DanceGRPO)")
     adv_eps: float = opt(1e-4, "added to the reward std before dividing (Flow-GRPO 1e-4); DanceGRPO's 1e-8 turns "
                                "near-constant groups into +-adv_clip_max noise (pass it only to reproduce DanceGRPO)")
+
+
+@dataclass
+class GRPOOptions:
+    timestep_fraction: float | None = opt(
+        None, "fraction of the S-1 non-final steps trained per sample (DanceGRPO; default 0.6); not with "
+        "--sde_window_size, where the window's steps are trained")
+    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
     kl_beta: float = opt(0.0, "weight of the KL to the reference policy (0 = off; Flow-GRPO uses 0.04)")
 
 
@@ -191,8 +195,48 @@ class DPOOptions:
         "share one folder between runs on the same pairs, VAE and size)")
 
 
-GRPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, GRPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
-               RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+@dataclass
+class NFTOptions:
+    nft_beta: float = opt(1.0, "DiffusionNFT mixing coefficient beta of the implicit policies v+ = beta*v_theta + "
+                               "(1-beta)*v_old and v- = (1+beta)*v_old - beta*v_theta (REFERENCE 6): 1.0 default, 0.1 "
+                               "for OCR / multi-reward; not the KL weight (--kl_beta)")
+    kl_beta: float = opt(1e-4, "weight of mean((v_theta - v_ref)^2), the velocity distance to the reference policy "
+                               "(base model: LoRA disabled / frozen copy), added to the loss (0 = off; DiffusionNFT 1e-4)")
+    adv_mode: str = opt("all", "advantages -> optimality r = clamp(A/adv_clip_max/2 + 1/2, 0, 1): all = as they are | "
+                               "positive_only = A clamped to >= 0 | negative_only = A clamped to <= 0 | binary = sign(A) "
+                               "(r in {0.4, 0.5, 0.6} with adv_clip_max 5, as DiffusionNFT's code)",
+                        choices=("all", "positive_only", "negative_only", "binary"))
+    timestep_fraction: float = opt(0.99, "fraction of the S sampling-grid sigmas trained per sample: the first "
+                                         "int(S x fraction) of a per-sample random order, fresh noise at each "
+                                         "(DiffusionNFT 0.99)")
+    old_decay_schedule: str = opt(
+        "linear", "old policy update old <- d*old + (1-d)*theta after training: copy = d 0 | linear = d min(0.001 n, "
+        "0.5) | delayed = d 0 for n < 75, then min(0.0075 (n-75), 0.999); n = optimizer steps so far (DiffusionNFT "
+        "decay_type 0/1/2; its default is linear)", choices=("copy", "linear", "delayed"))
+    old_update_interval: int = opt(1, "update the old policy every N training steps (1 = after every step)")
+    solver: str = opt("euler", "deterministic sampler of the old-policy rollouts: euler (first order, as FluxPipeline) "
+                               "| dpm2 (DPM-Solver++(2M): second order at no extra model call; DiffusionNFT's)",
+                      choices=("euler", "dpm2"))
+
+
+GRPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, GRPOOptions, OptimOptions, LoRAOptions,
+               ParallelOptions, RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+
+NFT_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, NFTOptions, OptimOptions, LoRAOptions,
+              ParallelOptions, RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+
+# NFT reads these shared flags in its own units / with DiffusionNFT's defaults
+NFT_DEFAULTS = {"output_dir": "outputs/nft", "wandb_project": "flux-nft", "global_std": True}
+NFT_HELP = {
+    "num_generations": "images sampled per prompt by the old policy (group size G of the advantages)",
+    "train_batch_size": "samples per forward/backward micro-batch (per rank); each is trained at int(S x "
+                        "--timestep_fraction) sigmas",
+    "global_std": "normalise advantages by the whole batch's reward std (DiffusionNFT / Flow-GRPO; the NFT default) "
+                  "instead of each group's (--no-global_std)",
+    "rollout_batch_size": "samples per transformer call during the old-policy rollout (per rank)",
+    "guidance_scale": "FLUX.1-dev distilled guidance value fed to the model (no classifier-free guidance is ever "
+                      "run: DiffusionNFT is CFG-free); ignored by models without a guidance embedding",
+}
 
 
 DPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, DPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
@@ -369,6 +413,18 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
         _need(args.sde_window_range[1] < args.sampling_steps,
               "--sde_type cps with --kl_beta > 0: the last step has zero noise (sigma' = 0), where the KL is "
               f"undefined; keep the window before it (--sde_window_range ... {args.sampling_steps - 1})")
+    if args.sde_window_size:
+        trained = args.sde_window_size
+    else:
+        trained = int((args.sampling_steps - 1) * args.timestep_fraction)
+        _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x (--sampling_steps - 1 = "
+                            f"{args.sampling_steps - 1}) trains no timestep; raise one of them")
+    return _group_arithmetic(args, world_size, trained)
+
+
+def _group_arithmetic(args: argparse.Namespace, world_size: int, trained: int) -> dict[str, int]:
+    """Batch arithmetic of a trainer that samples P x G images per step and trains each at ``trained`` timesteps in
+    micro-batches of --train_batch_size (GRPO, NFT); ValueError for layouts that do not divide."""
     total = args.prompts_per_step * args.num_generations
     _need(total % world_size == 0,
           f"samples per step = --prompts_per_step ({args.prompts_per_step}) x --num_generations "
@@ -381,12 +437,6 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     _need(micro_batches % accum == 0,
           f"micro-batches per rank ({micro_batches} = {local} samples / --train_batch_size "
           f"{args.train_batch_size}) must be divisible by --gradient_accumulation_steps ({accum})")
-    if args.sde_window_size:
-        trained = args.sde_window_size
-    else:
-        trained = int((args.sampling_steps - 1) * args.timestep_fraction)
-        _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x (--sampling_steps - 1 = "
-                            f"{args.sampling_steps - 1}) trains no timestep; raise one of them")
     return {"prompts_per_step": args.prompts_per_step, "samples_per_step": total, "samples_per_rank": local,
             "trained_timesteps": trained, "micro_batches_per_rank": micro_batches,
             "gradient_accumulation_steps": accum, "optimizer_steps_per_rollout": micro_batches // accum,
@@ -461,4 +511,46 @@ def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the DPO trainer's flags (validation happens in ``validate_dpo``)."""
     parser = build_parser(DPO_GROUPS, "Online or offline Diffusion-DPO of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
+    return parser.parse_args(argv)
+
+
+# sampling flags an ODE (old-policy) rollout has no use for
+SDE_ONLY_FLAGS = ("eta", "sde_type", "sde_window_size", "sde_window_range", "last_step")
+
+
+def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
+    """DiffusionNFT flags and the batch arithmetic; returns the derived counts printed before step 1."""
+    validate_common(args)
+    defaults = {**field_defaults(NFT_GROUPS), **NFT_DEFAULTS}
+    changed = [k for k in SDE_ONLY_FLAGS if getattr(args, k) != defaults[k] and not (k == "eta" and args.eta == 0)]
+    _need(not changed, "DiffusionNFT samples with a deterministic ODE solver (--solver euler|dpm2): "
+                       f"{', '.join('--' + k for k in changed)} would do nothing; drop them")
+    _need(args.fsdp_version == 2,
+          "train_nft.py needs --fsdp_version 2 (the default): under FSDP1 the old adapter's shards do not line up with "
+          "the trained adapter's inside a flat parameter, so the old-policy update would need a gather of every unit "
+          "each step")
+    _need(not args.init_same_noise, "--init_same_noise with a deterministic rollout samples the same image for every "
+                                    "member of a prompt group (zero advantages: nothing to learn); drop it")
+    args.eta = 0.0
+    validate_sampling(args)
+    _need(args.num_generations >= 2, f"--num_generations must be >= 2 (a group needs two samples to compare), "
+                                     f"got {args.num_generations}")
+    _need(args.prompts_per_step >= 1, f"--prompts_per_step must be >= 1, got {args.prompts_per_step}")
+    _need(args.nft_beta > 0, f"--nft_beta (the v+/v- mixing coefficient) must be > 0 (1.0 default, 0.1 for "
+                             f"OCR / multi-reward), got {args.nft_beta}")
+    _need(args.kl_beta >= 0, f"--kl_beta must be >= 0 (0 = no reference term), got {args.kl_beta}")
+    _need(args.adv_clip_max > 0, f"--adv_clip_max must be > 0, got {args.adv_clip_max}")
+    _need(args.adv_eps > 0, f"--adv_eps must be > 0, got {args.adv_eps}")
+    _need(0.0 < args.timestep_fraction <= 1.0, f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
+    _need(args.old_update_interval >= 1, f"--old_update_interval must be >= 1, got {args.old_update_interval}")
+    trained = int(args.sampling_steps * args.timestep_fraction)
+    _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x --sampling_steps {args.sampling_steps} "
+                        "trains no timestep; raise one of them")
+    return _group_arithmetic(args, world_size, trained)
+
+
+def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the DiffusionNFT trainer's flags (validation happens in ``validate_nft``)."""
+    parser = build_parser(NFT_GROUPS, "DiffusionNFT post-training of a FLUX transformer (torchrun + FSDP).",
+                          help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
     return parser.parse_args(argv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 NFT_DECAY_SCHEDULES = ("copy", "linear", "delayed")
+NFT_ADV_MODES = ("all", "positive_only", "negative_only", "binary")
 
 
 def _mean_dims(x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +145,23 @@ def nft_optimality(advantages: torch.Tensor, adv_clip_max: float = 5.0) -> torch
     """DiffusionNFT's optimality probability ``r = clamp(clamp(A, ±c)/c/2 + ½, 0, 1)`` (float32)."""
     a = advantages.detach().to(torch.float32).clamp(-adv_clip_max, adv_clip_max)
     return (a / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
+
+
+def nft_advantages(advantages: torch.Tensor, mode: str, adv_clip_max: float = 5.0) -> torch.Tensor:
+    """DiffusionNFT's ``--adv_mode`` on the (clipped) advantages before ``nft_optimality``: ``all`` keeps them,
+    ``positive_only`` / ``negative_only`` clamp them to >= 0 / <= 0 (r >= 1/2 / r <= 1/2: only the positive / implicit
+    negative target pulls), ``binary`` takes their sign (r in {1/2 - 1/(2c), 1/2, 1/2 + 1/(2c)}, as the published
+    code does)."""
+    a = advantages.detach().to(torch.float32).clamp(-adv_clip_max, adv_clip_max)
+    if mode == "all":
+        return a
+    if mode == "positive_only":
+        return a.clamp(min=0.0)
+    if mode == "negative_only":
+        return a.clamp(max=0.0)
+    if mode == "binary":
+        return torch.sign(a)
+    raise ValueError(f"unknown --adv_mode {mode!r}; choose one of {NFT_ADV_MODES}")
 
 
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,

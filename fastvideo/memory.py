@@ -249,11 +249,21 @@ def plan_dpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, 
                  snapshot=args.ref_update_interval > 0, samples=samples, scored=online, gathered_latents=gathered)
 
 
+def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str) -> MemoryPlan:
+    """The memory plan of ``train_nft.py`` with these (validated) flags on ``world_size`` ranks: the old policy (a
+    second fp32 adapter, or a second sharded fp32 transformer for a full fine-tune) and its no-grad forward next to
+    each trained one, the reference forward with --kl_beta > 0, an ODE rollout of this rank's samples."""
+    return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
+                 snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=True)
+
+
 def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_images: int, reference: bool,
-          snapshot: bool, samples: int, scored: bool, gathered_latents: int = 0) -> MemoryPlan:
+          snapshot: bool, samples: int, scored: bool, gathered_latents: int = 0, old_policy: bool = False
+          ) -> MemoryPlan:
     """The plan of a trainer whose update runs ``micro_images`` images per forward/backward (+ a no-grad reference
-    forward if ``reference``; ``snapshot``: the reference is a swapped-in fp32 copy of the trained weights), whose
-    rollout samples ``samples`` images per rank, scored by --reward if ``scored``."""
+    forward if ``reference``; ``snapshot``: the reference is a swapped-in fp32 copy of the trained weights; with
+    ``old_policy`` a no-grad old-policy forward and its fp32 weights), whose rollout samples ``samples`` images per
+    rank, scored by --reward if ``scored``."""
     from fastvideo import flux, lora
     from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
     from fastvideo.training import compute_dtype
@@ -279,7 +289,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(getattr(args, "gradient_sync", "auto"), is_lora)
     geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-    L, T, B = geometry.seq_len, _text_tokens(args), samples
+    L, T, B, C = geometry.seq_len, _text_tokens(args), samples, geometry.packed_channels
     S = args.sampling_steps
     joint = model.config.joint_attention_dim
     items: list[PlanItem] = []
@@ -301,6 +311,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
               f"{c} B x params / shard group, loaded from the folder")
     elif reference:
         items.append(PlanItem("reference policy", 0.0, note="LoRA disabled: no extra weights"))
+    if old_policy and is_lora:
+        state("old policy: adapter 'old' (fp32, sharded)", 4 * n_train / shard, "4 B x trainable / shard group")
+    elif old_policy:
+        state("old policy: second transformer (fp32 master, sharded)", 4 * n_all / shard,
+              "4 B x params / shard group (fp32: the d*old + (1-d)*theta update is below bf16's resolution)")
     # gradients live through the update phase
     items.append(PlanItem("gradients (fp32, sharded)", 0.0 if offload else 4 * n_train / shard,
                           4 * n_train / shard if offload else 0.0, "train", "4 B x trainable / shard group"))
@@ -332,16 +347,19 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                           note="with gradient checkpointing" if used else "no gradient checkpointing"))
     items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
                           phase="not used", note="not counted"))
-    if reference:
-        ref_act = transformer_activation_bytes(sim, micro, L, T, cdt, train=False)
-        items.append(PlanItem("reference forward (no grad)", ref_act, phase="train", note="transient"))
+    if reference or old_policy:
+        no_grad = transformer_activation_bytes(sim, micro, L, T, cdt, train=False)
+        name = " / ".join(n for n, on in (("reference", reference), ("old-policy", old_policy)) if on)
+        items.append(PlanItem(f"{name} forward (no grad)", no_grad, phase="train", note="transient, one at a time"))
+        if old_policy:
+            items.append(PlanItem("v_old (fp32) kept through the trained forward", 4 * micro * L * C, phase="train",
+                                  note="micro-batch x L x C"))
     rb = min(args.rollout_batch_size, B)
     items.append(PlanItem(f"rollout forward (no grad), batch of {rb}",
                           transformer_activation_bytes(sim, rb, L, T, cdt, train=False), phase="rollout"))
     del sim, model
 
     # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
-    C = geometry.packed_channels
     buffers = 4 * B * (S + 2) * L * C + 4 * B * 3 * args.h * args.w
     sde_noise = 4 * B * S * L * C if args.eta > 0 else 0
     items.append(PlanItem("rollout buffers: latents B x (S+1) x L x C, images", buffers, sde_noise, "persistent",

@@ -1,0 +1,141 @@
+"""DiffusionNFT end to end on the tiny preset under torchrun: metrics, old adapter in the checkpoint and exact resume,
+1 rank = 2 ranks, the LoRA and full fine-tune exports, the reward against an lr-0 control."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_lora_changes_pipeline, make_embeddings, run_torchrun
+
+from fastvideo.logging import read_metrics
+
+TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
+
+
+def nft_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train_nft.py", "--pretrained_model_name_or_path", str(model), "--data_json_path", str(data),
+            "--output_dir", str(out), "--device", "cpu", "--h", "64", "--w", "64", "--sampling_steps", "4",
+            "--rollout_batch_size", "8", "--train_batch_size", "1", "--seed", "5", "--no-progress_bar", *extra]
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
+    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("nft-emb"), 16, "--max_sequence_length", "32")
+
+
+@pytest.fixture(scope="module")
+def hps_flags(tmp_path_factory) -> tuple[str, ...]:
+    """The tiny HPS reward: smooth in the pixels, so runs that differ only in reduction order rank images alike."""
+    from fastvideo.rewards.hpsv2 import TINY_CHECKPOINT, TINY_CONFIG, build_tiny_hps
+
+    hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
+    return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
+            str(hps / TINY_CONFIG))
+
+
+# 3 prompts x 2 images over 2 ranks (group 1 spans both ranks), 2 micro-batches per rank -> one optimizer step;
+# --old_decay_schedule delayed keeps the old adapter a copy until step 75, so "linear" (old != theta after step 1)
+# is what makes the resume test able to fail when the old adapter is not restored exactly.
+LORA = ("--prompts_per_step", "3", "--num_generations", "2", "--lora_rank", "4", "--learning_rate", "3e-2",
+        "--old_decay_schedule", "linear", "--kl_beta", "1e-2", "--solver", "dpm2", "--checkpointing_steps", "2",
+        "--sample_every", "2")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("nft-lora")
+    runs = {"two": base / "two", "one": base / "one"}
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, runs["two"], *LORA, *hps_flags, "--max_train_steps", "4"))
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, runs["one"], *LORA, *hps_flags, "--max_train_steps", "1"),
+                 nproc=1)
+    return runs
+
+
+def test_lora_run_writes_every_metric(lora_runs):
+    out = lora_runs["two"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    required = {"reward_mean", "reward_std", "reward_hpsv2", "loss", "policy_loss", "L_pos", "L_neg", "r_mean",
+                "old_decay", "old_deviation", "kl", "grad_norm", "lr", "skipped_updates", "time_rollout",
+                "time_decode", "time_reward", "time_train", "time_step", "samples_per_s", "peak_memory_gb",
+                "memory_baseline_gb", "zero_std_group_frac", "trained_timesteps"}
+    for row in rows:
+        assert not required - row.keys(), f"metrics missing {required - row.keys()}"
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+        assert row["trained_timesteps"] == 3  # int(4 x 0.99)
+    # step 1: policy = old = reference (one optimizer step per rollout): no deviation, no KL, L+ = L-
+    assert rows[0]["old_deviation"] == 0.0 and rows[0]["kl"] == 0.0
+    assert rows[0]["L_pos"] == pytest.approx(rows[0]["L_neg"], rel=1e-6)
+    # later steps: theta moved away from the reference; linear decay d = 0.001 n keeps old ~ theta of the last step
+    assert all(r["kl"] > 0 and r["old_deviation"] > 0 for r in rows[1:])
+    assert [r["old_decay"] for r in rows] == pytest.approx([0.001, 0.002, 0.003, 0.004])
+    assert [r["old_updates"] for r in rows] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "samples").glob("*.png")) == ["step-000001.png", "step-000002.png",
+                                                                       "step-000004.png"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert (out / "checkpoints" / "step-2" / "shadow-old").is_dir()
+    config = json.loads((out / "config.json").read_text())
+    assert config["nft_beta"] == 1.0 and config["global_std"] is True and config["eta"] == 0.0
+
+
+def test_one_rank_matches_two_ranks_at_step_one(lora_runs):
+    """Groups gathered before the advantages, noise keyed per sample: one process computes the 2-rank step."""
+    one = read_metrics(lora_runs["one"] / "metrics.jsonl")[0]
+    two = read_metrics(lora_runs["two"] / "metrics.jsonl")[0]
+    for key in ("reward_mean", "reward_std", "r_mean", "loss", "L_pos", "L_neg", "grad_norm"):
+        assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-7), key
+
+
+def test_resume_restores_the_old_adapter_exactly(lora_runs, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
+    """4 steps straight = 2 steps + resume + 2 steps, bit for bit: the rollouts of steps 3-4 are sampled by the
+    restored old adapter (which differs from the trained one), so any drift shows in the rewards."""
+    out = tmp_path / "run"
+    shutil.copytree(lora_runs["two"], out)
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    shutil.rmtree(out / "final")
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *LORA, *hps_flags, "--max_train_steps", "4",
+                          "--resume_from", "latest"))
+    straight = read_metrics(lora_runs["two"] / "metrics.jsonl")
+    resumed = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight[2:], resumed[2:]):
+        assert comparable(a) == comparable(b)
+
+
+def test_lora_export_loads_in_stock_pipeline(lora_runs, tiny_flux_dir):
+    import safetensors.torch
+
+    final = lora_runs["two"] / "final"
+    keys = safetensors.torch.load_file(final / "pytorch_lora_weights.safetensors").keys()
+    assert keys and not any(".old." in k for k in keys), "the export must hold the trained adapter only"
+    assert_lora_changes_pipeline(tiny_flux_dir, final)
+
+
+def test_full_finetune_with_a_sharded_old_copy(tiny_flux_dir, tiny_data, tmp_path):
+    """Full fine-tune on 2 ranks: the old policy is a second sharded transformer, checkpointed (shadow-old) and
+    restored exactly on resume; the export is a transformer folder that differs from the base."""
+    from diffusers import FluxTransformer2DModel
+
+    flags = ("--prompts_per_step", "2", "--num_generations", "2", "--learning_rate", "1e-4", "--reward",
+             "jpeg_compressibility:1.0", "--checkpointing_steps", "1", "--sample_every", "0")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, straight, *flags, "--max_train_steps", "2"))
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, resumed, *flags, "--max_train_steps", "1"))
+    assert (resumed / "checkpoints" / "step-1" / "shadow-old").is_dir()
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, resumed, *flags, "--max_train_steps", "2", "--resume_from",
+                          "latest"))
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert comparable(a[1]) == comparable(b[1])
+    assert a[1]["old_deviation"] > 0 and a[1]["kl"] > 0
+    tuned = FluxTransformer2DModel.from_pretrained(straight / "final")
+    base = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
+    diff = max((p - q).abs().max().item() for p, q in zip(tuned.parameters(), base.parameters()))
+    assert diff > 1e-6, "the exported transformer equals the base model"

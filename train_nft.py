@@ -1,0 +1,140 @@
+"""DiffusionNFT post-training of a FLUX transformer (REFERENCE §6), torchrun + FSDP2.
+
+One step: prompts -> batched deterministic rollout with the *old* policy (--solver euler | dpm2; no classifier-free
+guidance), keeping each sample's clean latent x0 -> decode -> reward -> gather over ranks -> group advantages ->
+optimality r (--adv_mode) -> for every micro-batch and trained sigma t (int(S x --timestep_fraction) of the sampling
+grid, in a per-sample random order, fresh noise each): x_t = (1-t) x0 + t eps, v_old (old policy) and v_ref
+(reference, with --kl_beta) without grad, v_theta with grad -> NFT loss in x0 space -> backward -> optimizer step(s)
+-> every --old_update_interval steps old <- d old + (1-d) theta (--old_decay_schedule).
+
+    torchrun --nproc_per_node 8 train_nft.py --pretrained_model_name_or_path FLUX.1-dev \
+        --data_json_path data/embeddings/manifest.json --output_dir outputs/nft --lora_rank 32 ...
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fastvideo import flux, training
+from fastvideo.config import parse_nft_args, validate_nft
+from fastvideo.data import EmbeddingDataset, GroupSampler
+from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
+from fastvideo.memory import plan_nft
+from fastvideo.rewards import parse_reward_spec
+from fastvideo.rollout import forward_noise, model_velocity, nft_timesteps, rollout
+from fastvideo.training import rank_mean
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_nft_args(argv)
+    if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
+        return training.dry_run(args, validate_nft, plan_nft)
+    training.launch(args, train)
+
+
+def train(args: argparse.Namespace) -> None:
+    # ---- setup: flags and inputs first, before anything expensive -------------------------------
+    run = training.start_run(args, validate_nft)
+    counts, device, noise, amp_dtype = run.counts, run.device, run.noise, run.amp_dtype
+    parse_reward_spec(args.reward)
+    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+    dataset = EmbeddingDataset(args.data_json_path)
+    dataset.check_encoders(args.pretrained_model_name_or_path)
+    sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
+                           rank=run.dist.rank, world_size=run.dist.world_size)
+    rollout_cfg = training.rollout_config(args)
+
+    # ---- reward, policy + old policy (+ reference), optimizer; resume -----------------------------
+    run.load_models(reward=True, need_reference=args.kl_beta > 0, old_policy=True,
+                    optimizer_steps=args.max_train_steps * counts["optimizer_steps_per_rollout"])
+    policy, old = run.policy, run.policy.old
+    velocity = dict(geometry=geometry, guidance=args.guidance_scale, autocast_dtype=amp_dtype)
+    start_step = run.resume(sampler=sampler)
+
+    for step in range(start_step + 1, args.max_train_steps + 1):
+        samples = sampler.next()
+        batch = training.batch_to(dataset.get_batch(samples.prompt_ids), device)
+
+        # ---- 1. rollout with the old policy: deterministic, no grad; keep x0 ---------------------------
+        policy.model.eval()
+        with old.active() as old_model:
+            traj = rollout(old_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
+                           device=device, autocast_dtype=amp_dtype)
+        policy.model.train()
+        x0 = traj.clean_latents  # (B, L, C) float32
+
+        # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) ---------------------------------
+        all_rewards, t_reward = run.score(traj.images, batch["prompts"])
+
+        # ---- 3. group advantages on the global batch -> optimality r ------------------------------------
+        adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
+        advantages = nft_advantages(advantages, args.adv_mode, args.adv_clip_max)  # (B,) this rank's
+
+        # ---- 4. forward-process update: micro-batches x trained sigmas, loss in x0 space ---------------
+        t0 = time.perf_counter()
+        timesteps = nft_timesteps(noise, step, samples.prompt_ids, samples.sample_indices, args.sampling_steps,
+                                  args.timestep_fraction)  # (B, K) indices into the sampling grid
+        num_trained = timesteps.shape[1]
+        accum = counts["gradient_accumulation_steps"]
+        scale = 1.0 / (accum * num_trained)
+        logs: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "policy_loss", "kl", "L_pos", "L_neg",
+                                                                 "old_deviation")}
+        grad_norms = []
+        micro_batches = torch.arange(len(samples.prompt_ids)).split(args.train_batch_size)
+        for mb_index, idx in enumerate(micro_batches):
+            cond = {k: batch[k][idx.to(device)] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+            keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx.tolist()],
+                        sample_indices=[samples.sample_indices[i] for i in idx.tolist()])
+            for k in range(num_trained):
+                t = traj.sigmas[timesteps[idx, k].to(traj.sigmas.device)]  # (b,) per-sample sigma
+                eps = noise.batch_randn(tuple(x0.shape[1:]), step=step, purpose=f"nft_eps/{k}", **keys)
+                x_t = forward_noise(x0[idx], eps, t)  # (b, L, C)
+                with torch.no_grad():
+                    with old.active() as old_model:
+                        v_old = model_velocity(old_model, x_t, t, cond, **velocity)
+                    v_ref = None
+                    if args.kl_beta > 0:
+                        with policy.reference() as ref_model:
+                            v_ref = model_velocity(ref_model, x_t, t, cond, **velocity)
+                v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
+                loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
+                                   adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta)
+                run.set_gradient_sync(last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
+                (loss * scale).backward()
+                for name, value in (("loss", loss), ("policy_loss", m["policy_loss"]), ("kl", m["kl_loss"]),
+                                    ("L_pos", m["positive_loss"]), ("L_neg", m["negative_loss"]),
+                                    ("old_deviation", (v_theta.detach() - v_old).pow(2).mean())):
+                    logs[name].append(value.detach())
+            if (mb_index + 1) % accum == 0:
+                grad_norms.append(run.optimizer_step())
+
+        # ---- 5. the old policy follows: old <- d*old + (1-d)*theta -----------------------------------
+        optimizer_steps = step * counts["optimizer_steps_per_rollout"]
+        old_decay = nft_old_decay(optimizer_steps, args.old_decay_schedule)
+        if step % args.old_update_interval == 0:
+            old.update(old_decay)
+        t_train = time.perf_counter() - t0
+
+        # ---- 6. metrics, samples, checkpoint ------------------------------------------------------------
+        t_rollout, t_decode = traj.timings["sample"], traj.timings["decode"]
+        step_time = t_rollout + t_decode + t_reward + t_train
+        r_all = nft_optimality(nft_advantages(adv_all, args.adv_mode, args.adv_clip_max), args.adv_clip_max)
+        metrics = {
+            **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
+            **training.reward_metrics(all_rewards),
+            **{name: rank_mean(values) for name, values in logs.items()},
+            "r_mean": r_all.mean(), "r_std": r_all.std(unbiased=False),
+            "old_decay": old_decay, "old_updates": old.num_updates,
+            "grad_norm": sum(grad_norms) / len(grad_norms), "trained_timesteps": num_trained,
+            "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
+            "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
+        }
+        run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"})
+
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
