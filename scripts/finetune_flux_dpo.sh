@@ -13,26 +13,13 @@
 # (one process, no torchrun, no weights or embeddings needed; add --device cuda on a machine without GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
-DATA_DIR=${DATA_DIR:-data}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 PREFERENCE_FILE=${PREFERENCE_FILE:-}
-DRY_RUN=0
-for arg in "$@"; do if [ "$arg" = "--dry_run" ]; then DRY_RUN=1; fi; done
+. scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
 if [ -z "${MODEL_PATH:-}" ]; then
   # Embedded default: the tiny FLUX folder and its embeddings (built if absent), DPO on the CPU with a weight-free
   # reward (JPEG compressibility). Settings chosen by measurement over seeds against an lr-0 control (README).
-  MODEL=$DATA_DIR/tiny-flux
-  DATA_JSON=${DATA_JSON:-$DATA_DIR/tiny-flux-embeddings/manifest.json}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-1}
-  if [ ! -f "$DATA_JSON" ]; then
-    DATA_DIR=$DATA_DIR DATA_JSON=$DATA_JSON NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) \
-      bash scripts/preprocess_flux_embeddings.sh
-  fi
+  demo_data  # MODEL, DATA_JSON, NPROC_PER_NODE; builds the tiny model and embeddings if absent
   COMMON=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --device cpu --h 64 --w 64
           --sampling_steps 8 --beta_dpo 200 --learning_rate 3e-4 --max_grad_norm 1.0 --seed 0)
   if [ -n "$PREFERENCE_FILE" ]; then
@@ -60,12 +47,7 @@ if [ -z "${MODEL_PATH:-}" ]; then
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 else
-  DATA_JSON=${DATA_JSON:-$DATA_DIR/embeddings/manifest.json}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-  if [ ! -f "$DATA_JSON" ] && [ "$DRY_RUN" = 0 ]; then
-    echo "no embeddings at $DATA_JSON: run MODEL_PATH=$MODEL_PATH PROMPT_FILE=... bash scripts/preprocess_flux_embeddings.sh first" >&2
-    exit 1
-  fi
+  real_data  # DATA_JSON, NPROC_PER_NODE; the embeddings must exist (except for --dry_run)
   WORLD=$((NPROC_PER_NODE * NNODES))
   # No public online-DPO recipe for FLUX.1-dev exists; this one takes verl-omni's online DPO recipe (verl-omni
   # examples/dpo_trainer/qwen_image/run_qwen_image_online_dpo_lora_v1.sh and its trainer config defaults
@@ -116,8 +98,4 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 
-if [ "$DRY_RUN" = 1 ]; then
-  exec "$PYTHON" train_dpo.py --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
-fi
-"$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" train_dpo.py "$@"
+launch train_dpo.py "$@"

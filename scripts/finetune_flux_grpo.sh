@@ -11,26 +11,13 @@
 # (one process, no torchrun, no weights or embeddings needed; add --device cuda on a machine without GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
-DATA_DIR=${DATA_DIR:-data}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
-DRY_RUN=0
-for arg in "$@"; do if [ "$arg" = "--dry_run" ]; then DRY_RUN=1; fi; done
+. scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
 if [ -z "${MODEL_PATH:-}" ]; then
   # Embedded default: build the tiny FLUX folder and its embeddings if absent, then GRPO on the CPU
   # with a weight-free reward (JPEG compressibility).
-  MODEL=$DATA_DIR/tiny-flux
-  DATA_JSON=${DATA_JSON:-$DATA_DIR/tiny-flux-embeddings/manifest.json}
+  demo_data  # MODEL, DATA_JSON, NPROC_PER_NODE; builds the tiny model and embeddings if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo-tiny}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-1}
-  if [ ! -f "$DATA_JSON" ]; then
-    DATA_DIR=$DATA_DIR DATA_JSON=$DATA_JSON NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) \
-      bash scripts/preprocess_flux_embeddings.sh
-  fi
   set -- --pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" \
     --device cpu --h 64 --w 64 --sampling_steps 8 --sde_type flow_sde --eta 0.7 \
     --num_generations 8 --prompts_per_step 4 --rollout_batch_size 32 --train_batch_size 32 \
@@ -40,13 +27,8 @@ if [ -z "${MODEL_PATH:-}" ]; then
     --seed 0 --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 else
-  DATA_JSON=${DATA_JSON:-$DATA_DIR/embeddings/manifest.json}
+  real_data  # DATA_JSON, NPROC_PER_NODE; the embeddings must exist (except for --dry_run)
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo-flux}
-  NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-  if [ ! -f "$DATA_JSON" ] && [ "$DRY_RUN" = 0 ]; then
-    echo "no embeddings at $DATA_JSON: run MODEL_PATH=$MODEL_PATH PROMPT_FILE=... bash scripts/preprocess_flux_embeddings.sh first" >&2
-    exit 1
-  fi
   HPS_ARGS=()
   if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
   WORLD=$((NPROC_PER_NODE * NNODES))
@@ -90,8 +72,4 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 
-if [ "$DRY_RUN" = 1 ]; then
-  exec "$PYTHON" train_grpo_flux.py --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
-fi
-"$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" train_grpo_flux.py "$@"
+launch train_grpo_flux.py "$@"
