@@ -173,3 +173,57 @@ def test_dpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
     full = plan("--lora_rank", "0", "--ref_update_interval", "10")
     assert "reference snapshot (fp32, sharded)" in full and "set aside in the swap" in full
     assert not (tmp_path / "out").exists()
+
+
+def test_nft_flux_recipe_parses_to_its_cited_values(tmp_path):
+    """The MODEL_PATH recipe of scripts/finetune_flux_nft.sh (DiffusionNFT's SD3.5 values, FLUX.1-dev's sampling),
+    parsed and validated by the trainer's own parser for 8 ranks."""
+    from fastvideo.config import parse_nft_args, validate_nft
+
+    argv = launcher_argv(tmp_path, "scripts/finetune_flux_nft.sh")
+    args = parse_nft_args(argv[argv.index("train_nft.py") + 1:])
+    expected = dict(h=512, w=512, sampling_steps=10, solver="dpm2", guidance_scale=3.5, num_generations=24,
+                    prompts_per_step=48, train_batch_size=9, nft_beta=1.0, kl_beta=1e-4, adv_mode="all",
+                    adv_clip_max=5.0, global_std=True, timestep_fraction=0.99, old_decay_schedule="linear",
+                    old_update_interval=1, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
+                    lr_scheduler="constant", weight_decay=1e-4, max_grad_norm=1.0, reward="hpsv2:1.0",
+                    mixed_precision="bf16", gradient_checkpointing=True, seed=42, resume_from="latest")
+    assert {k: getattr(args, k) for k in expected} == expected
+    (tmp_path / "FLUX.1-dev").mkdir()
+    (tmp_path / "FLUX.1-dev" / "model_index.json").write_text("{}")
+    counts = validate_nft(args, 8)
+    assert counts["samples_per_rank"] == 144 and counts["trained_timesteps"] == 9
+    assert counts["optimizer_steps_per_rollout"] == 1
+
+
+def test_nft_launcher_demo_and_dry_run(tmp_path):
+    """The NFT demo as a user runs it (2 steps), and the recipe's memory plan on FLUX.1-dev configs: the LoRA recipe
+    fits 80 GiB with the old adapter; a full fine-tune plans the second fp32 transformer."""
+    from fastvideo.tiny import write_flux_dev_config
+
+    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "2",
+           "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port())}
+    env.pop("MODEL_PATH", None)
+    proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "2"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
+
+    folder = write_flux_dev_config(tmp_path / "flux-dev")
+    env = {**env, "MODEL_PATH": str(folder), "OUTPUT_DIR": str(tmp_path / "plan")}
+
+    def plan(*flags: str) -> str:
+        proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--dry_run", "--device", "cuda", *flags],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    lora = plan()
+    assert "samples_per_rank=144" in lora and "fits in 80 GiB" in lora
+    assert "old policy: adapter 'old' (fp32, sharded)" in lora and "old-policy forward (no grad)" in lora
+    full = plan("--lora_rank", "0", "--train_batch_size", "2")
+    assert "old policy: second transformer (fp32 master, sharded)" in full
+    assert "reference policy (frozen, compute dtype)" in full and "fits in 80 GiB" in full
+    assert not (tmp_path / "plan").exists()
