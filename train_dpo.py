@@ -31,10 +31,7 @@ from fastvideo.rollout import pair_errors, pair_noise, rollout
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_dpo_args(argv)
-    if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
-        return training.dry_run(args, validate_dpo, plan_dpo)
-    training.launch(args, train)
+    training.run_main(parse_dpo_args(argv), validate_dpo, plan_dpo, train)  # --dry_run: batch arithmetic + memory plan only
 
 
 def train(args: argparse.Namespace) -> None:

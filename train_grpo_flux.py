@@ -15,34 +15,23 @@ import time
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import flux, training
+from fastvideo import training
 from fastvideo.training import rank_mean
 from fastvideo.config import parse_grpo_args, validate_grpo
-from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.losses import first_update_check, grpo_loss, kl_loss
 from fastvideo.memory import plan_grpo
-from fastvideo.rewards import parse_reward_spec
 from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_grpo_args(argv)
-    if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
-        return training.dry_run(args, validate_grpo, plan_grpo)
-    training.launch(args, train)
+    training.run_main(parse_grpo_args(argv), validate_grpo, plan_grpo, train)  # --dry_run: batch arithmetic + memory plan only
 
 
 def train(args: argparse.Namespace) -> None:
     # ---- setup: flags and inputs first, before anything expensive -------------------------------
     run = training.start_run(args, validate_grpo)
     counts, device, dist, noise = run.counts, run.device, run.dist, run.noise
-    parse_reward_spec(args.reward)
-    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-    dataset = EmbeddingDataset(args.data_json_path)
-    dataset.check_encoders(args.pretrained_model_name_or_path)
-    sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
-                           rank=dist.rank, world_size=dist.world_size)
-    rollout_cfg = training.rollout_config(args)
+    geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
 
     # ---- reward, models, optimizer; resume --------------------------------------------------------
     run.load_models(reward=True, need_reference=args.kl_beta > 0,

@@ -17,34 +17,23 @@ import time
 
 import torch
 
-from fastvideo import flux, training
+from fastvideo import training
 from fastvideo.config import parse_nft_args, validate_nft
-from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 from fastvideo.memory import plan_nft
-from fastvideo.rewards import parse_reward_spec
 from fastvideo.rollout import forward_noise, model_velocity, nft_timesteps, rollout
 from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_nft_args(argv)
-    if args.dry_run:  # flags + batch arithmetic + per-rank memory plan, from the configs alone
-        return training.dry_run(args, validate_nft, plan_nft)
-    training.launch(args, train)
+    training.run_main(parse_nft_args(argv), validate_nft, plan_nft, train)  # --dry_run: batch arithmetic + memory plan only
 
 
 def train(args: argparse.Namespace) -> None:
     # ---- setup: flags and inputs first, before anything expensive -------------------------------
     run = training.start_run(args, validate_nft)
     counts, device, noise, amp_dtype = run.counts, run.device, run.noise, run.amp_dtype
-    parse_reward_spec(args.reward)
-    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-    dataset = EmbeddingDataset(args.data_json_path)
-    dataset.check_encoders(args.pretrained_model_name_or_path)
-    sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
-                           rank=run.dist.rank, world_size=run.dist.world_size)
-    rollout_cfg = training.rollout_config(args)
+    geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
 
     # ---- reward, policy + old policy (+ reference), optimizer; resume -----------------------------
     run.load_models(reward=True, need_reference=args.kl_beta > 0, old_policy=True,

@@ -214,6 +214,15 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
                   ref_snapshot=snapshot, old=old)
 
 
+def run_main(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]],
+             plan: Callable[..., Any], train: Callable[[argparse.Namespace], None]) -> None:
+    """A trainer's entry point: with --dry_run print the batch arithmetic and the per-rank memory plan from the
+    configs alone (``dry_run``); otherwise ``train(args)`` in the process group torchrun describes (``launch``)."""
+    if args.dry_run:
+        return dry_run(args, validate, plan)
+    launch(args, train)
+
+
 def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]) -> None:
     """Run ``train(args)`` in the process group torchrun describes (world size 1 without torchrun); an error on one
     rank ends every rank within seconds, with its message (``distributed.fail_fast``)."""
@@ -433,6 +442,22 @@ class Run:
     @property
     def out(self) -> Path:
         return Path(self.args.output_dir)
+
+    def prompt_groups(self) -> tuple[Any, Any, Any, Any]:
+        """The inputs of a trainer that samples --num_generations images for each of --prompts_per_step prompts per
+        step (GRPO, NFT, online DPO), checked before any model loads: the reward spec, the embeddings (against the
+        model's text encoders); returns ``(latent geometry, EmbeddingDataset, GroupSampler, RolloutConfig)``."""
+        from fastvideo.data import EmbeddingDataset, GroupSampler
+        from fastvideo.rewards import parse_reward_spec
+
+        args = self.args
+        parse_reward_spec(args.reward)
+        geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+        dataset = EmbeddingDataset(args.data_json_path)
+        dataset.check_encoders(args.pretrained_model_name_or_path)
+        sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
+                               rank=self.dist.rank, world_size=self.dist.world_size)
+        return geometry, dataset, sampler, rollout_config(args)
 
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
                     old_policy: bool = False, optimizer_steps: int) -> None:
