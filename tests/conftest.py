@@ -18,3 +18,22 @@ def tiny_flux_dir(tmp_path_factory) -> Path:
     from fastvideo.tiny import build_tiny_flux
 
     return build_tiny_flux(tmp_path_factory.mktemp("tiny-flux") / "model", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
+    """Embeddings of the first 16 prompts of assets/prompts.txt for `tiny_flux_dir` (32 T5 tokens): the manifest."""
+    from helpers import make_embeddings
+
+    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("tiny-emb"), 16, "--max_sequence_length", "32")
+
+
+@pytest.fixture(scope="session")
+def hps_flags(tmp_path_factory) -> tuple[str, ...]:
+    """Trainer flags for the tiny HPS reward: smooth in the pixels, so runs that differ only in reduction order rank
+    images alike."""
+    from fastvideo.rewards.hpsv2 import TINY_CHECKPOINT, TINY_CONFIG, build_tiny_hps
+
+    hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
+    return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
+            str(hps / TINY_CONFIG))

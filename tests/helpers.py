@@ -53,3 +53,15 @@ def assert_lora_changes_pipeline(model_dir: Path, lora_dir: Path) -> None:
     tuned = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
     assert torch.isfinite(tuned).all()
     assert (tuned - base).abs().max() > 1e-4, "the trained LoRA does not change the pipeline's output"
+
+
+def validate_flags(tmp_path: Path, parse, validate, *flags: str, world: int = 1) -> dict:
+    """``validate(parse([...model and data flags, *flags]), world)`` with a stub model folder and manifest (flag checks
+    need no real files); returns the batch arithmetic."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "model_index.json").write_text("{}")
+    data = tmp_path / "manifest.json"
+    data.write_text("{}")
+    return validate(parse(["--pretrained_model_name_or_path", str(model), "--data_json_path", str(data), *flags]),
+                    world)

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import validate_flags
+
 from fastvideo.config import parse_nft_args, validate_nft
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 
@@ -166,13 +168,7 @@ def test_trained_sigmas_are_a_per_sample_random_subset_of_the_grid():
 
 # ------------------------------------------------------------------------------------------------ flags
 def _validate(tmp_path: Path, *flags: str, world: int = 1) -> dict:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "model_index.json").write_text("{}")
-    data = tmp_path / "manifest.json"
-    data.write_text("{}")
-    args = parse_nft_args(["--pretrained_model_name_or_path", str(model), "--data_json_path", str(data), *flags])
-    return validate_nft(args, world)
+    return validate_flags(tmp_path, parse_nft_args, validate_nft, *flags, world=world)
 
 
 def test_nft_flags_are_checked_with_the_fix(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, assert_lora_changes_pipeline, make_embeddings, run_torchrun
+from helpers import REPO, assert_lora_changes_pipeline, run_torchrun, validate_flags
 
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
@@ -95,13 +95,7 @@ def test_pair_members_share_noise_and_sigma(tiny_flux_dir):
 
 
 def _validate(tmp_path: Path, *flags: str, world: int = 1) -> dict:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "model_index.json").write_text("{}")
-    data = tmp_path / "manifest.json"
-    data.write_text("{}")
-    args = parse_dpo_args(["--pretrained_model_name_or_path", str(model), "--data_json_path", str(data), *flags])
-    return validate_dpo(args, world)
+    return validate_flags(tmp_path, parse_dpo_args, validate_dpo, *flags, world=world)
 
 
 def test_dpo_flags_are_checked_with_the_fix(tmp_path):
@@ -130,21 +124,6 @@ def test_dpo_flags_are_checked_with_the_fix(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-@pytest.fixture(scope="module")
-def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
-    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("dpo-emb"), 16, "--max_sequence_length", "32")
-
-
-@pytest.fixture(scope="module")
-def hps_flags(tmp_path_factory) -> tuple[str, ...]:
-    """The tiny HPS reward: smooth in the pixels, so runs that differ only in reduction order rank images alike."""
-    from fastvideo.rewards.hpsv2 import TINY_CHECKPOINT, TINY_CONFIG, build_tiny_hps
-
-    hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
-    return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
-            str(hps / TINY_CONFIG))
-
-
 # 3 prompts x 2 images over 2 ranks: prompt group 1 spans both ranks; 3 pairs -> 2 per rank, one rank padded.
 # The reference is refreshed at step 2, so a resume from step 2 needs the saved snapshot.
 ONLINE = ("--prompts_per_step", "3", "--num_generations", "2", "--lora_rank", "4", "--learning_rate", "3e-2",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_lora_changes_pipeline, make_embeddings, run_torchrun
+from helpers import assert_lora_changes_pipeline, run_torchrun
 
 from fastvideo.logging import read_metrics
 
@@ -24,21 +24,6 @@ def nft_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
-    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("nft-emb"), 16, "--max_sequence_length", "32")
-
-
-@pytest.fixture(scope="module")
-def hps_flags(tmp_path_factory) -> tuple[str, ...]:
-    """The tiny HPS reward: smooth in the pixels, so runs that differ only in reduction order rank images alike."""
-    from fastvideo.rewards.hpsv2 import TINY_CHECKPOINT, TINY_CONFIG, build_tiny_hps
-
-    hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
-    return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
-            str(hps / TINY_CONFIG))
 
 
 # 3 prompts x 2 images over 2 ranks (group 1 spans both ranks), 2 micro-batches per rank -> one optimizer step;
@@ -139,3 +124,21 @@ def test_full_finetune_with_a_sharded_old_copy(tiny_flux_dir, tiny_data, tmp_pat
     base = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
     diff = max((p - q).abs().max().item() for p, q in zip(tuned.parameters(), base.parameters()))
     assert diff > 1e-6, "the exported transformer equals the base model"
+
+
+def test_nft_raises_the_reward_over_an_lr0_control(tiny_flux_dir, tiny_data, tmp_path):
+    """2 ranks, the demo's recipe shortened (JPEG reward, full fine-tune, lr 1e-3, 4 ODE steps, 2 prompts x 8
+    samples): the trained policy's samples compress better than an lr-0 control's over the same prompts (measured:
+    4.004 vs 4.195 kB over the last 10 of 30 steps; asserted: > 0.08 kB), and at lr 0 the old policy never moves."""
+    flags = ("--prompts_per_step", "2", "--num_generations", "8", "--rollout_batch_size", "8", "--train_batch_size",
+             "8", "--reward", "jpeg_compressibility:1.0", "--max_train_steps", "30", "--checkpointing_steps", "1000",
+             "--sample_every", "0", "--kl_beta", "0")
+    runs = {}
+    for lr in ("1e-3", "0"):
+        out = tmp_path / f"lr{lr}"
+        run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *flags, "--learning_rate", lr))
+        runs[lr] = read_metrics(out / "metrics.jsonl")
+    last = lambda rows, key: sum(r[key] for r in rows[-10:]) / 10  # noqa: E731
+    kb = {lr: -500 * last(rows, "reward_mean") for lr, rows in runs.items()}
+    assert kb["0"] - kb["1e-3"] > 0.08, f"mean JPEG size of the last 10 steps: {kb}"
+    assert all(r["old_deviation"] == 0.0 and r["grad_norm"] > 0 for r in runs["0"])
