@@ -26,7 +26,8 @@ from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(parse_nft_args(argv), validate_nft, plan_nft, train)  # --dry_run: batch arithmetic + memory plan only
+    # --dry_run: the batch arithmetic and the per-rank memory plan only
+    training.run_main(parse_nft_args(argv), validate_nft, plan_nft, train)
 
 
 def train(args: argparse.Namespace) -> None:

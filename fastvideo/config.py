@@ -200,11 +200,12 @@ class NFTOptions:
     nft_beta: float = opt(1.0, "DiffusionNFT mixing coefficient beta of the implicit policies v+ = beta*v_theta + "
                                "(1-beta)*v_old and v- = (1+beta)*v_old - beta*v_theta (REFERENCE 6): 1.0 default, 0.1 "
                                "for OCR / multi-reward; not the KL weight (--kl_beta)")
-    kl_beta: float = opt(1e-4, "weight of mean((v_theta - v_ref)^2), the velocity distance to the reference policy "
-                               "(base model: LoRA disabled / frozen copy), added to the loss (0 = off; DiffusionNFT 1e-4)")
-    adv_mode: str = opt("all", "advantages -> optimality r = clamp(A/adv_clip_max/2 + 1/2, 0, 1): all = as they are | "
-                               "positive_only = A clamped to >= 0 | negative_only = A clamped to <= 0 | binary = sign(A) "
-                               "(r in {0.4, 0.5, 0.6} with adv_clip_max 5, as DiffusionNFT's code)",
+    kl_beta: float = opt(1e-4, "weight of mean((v_theta - v_ref)^2), the velocity distance to the reference "
+                               "policy (base model: LoRA disabled / frozen copy), added to the loss (0 = off; "
+                               "DiffusionNFT 1e-4)")
+    adv_mode: str = opt("all", "advantages -> optimality r = clamp(A/adv_clip_max/2 + 1/2, 0, 1): all = as they "
+                               "are | positive_only = A clamped to >= 0 | negative_only = A clamped to <= 0 | binary "
+                               "= sign(A) (r in {0.4, 0.5, 0.6} with adv_clip_max 5, as DiffusionNFT's code)",
                         choices=("all", "positive_only", "negative_only", "binary"))
     timestep_fraction: float = opt(0.99, "fraction of the S sampling-grid sigmas trained per sample: the first "
                                          "int(S x fraction) of a per-sample random order, fresh noise at each "

@@ -210,19 +210,23 @@ def bench_data(bench_dir, tmp_path_factory) -> Path:
     return make_embeddings(bench_dir, tmp_path_factory.mktemp("bench-emb"), 8)
 
 
-@pytest.mark.parametrize("mode", [[], ["--lora_rank", "8"]], ids=["full", "lora"])
-def test_planner_within_25_percent_of_measured_peak(bench_dir, bench_data, tmp_path, mode):
-    """bench preset (10M params, 256 px, 512 text tokens), 2 ranks, 2 GRPO steps: the plan's peak per rank vs the
-    measured peak RSS increase over the RSS before any model is built (max over ranks, glibc caching off)."""
+@pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []), ("train_grpo_flux.py", ["--lora_rank", "8"]),
+                                         ("train_nft.py", ["--kl_beta", "1e-4"])], ids=["full", "lora", "nft-full"])
+def test_planner_within_25_percent_of_measured_peak(bench_dir, bench_data, tmp_path, script, mode):
+    """bench preset (10M params, 256 px, 512 text tokens), 2 ranks, 2 steps: the plan's peak per rank vs the
+    measured peak RSS increase over the RSS before any model is built (max over ranks, glibc caching off). The NFT
+    full fine-tune holds two more sharded transformers (the fp32 old policy, the frozen reference) and runs their
+    forwards next to each trained one."""
     flags = ["--pretrained_model_name_or_path", str(bench_dir), "--data_json_path", str(bench_data), "--device",
              "cpu", "--h", "256", "--w", "256", "--sampling_steps", "4", "--num_generations", "4",
              "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2",
-             "--timestep_fraction", "0.34", "--reward", "jpeg_compressibility:1.0", "--max_train_steps", "2",
-             "--sample_every", "0", "--no-progress_bar", "--seed", "0", *mode]
-    run_torchrun(["train_grpo_flux.py", *flags, "--output_dir", str(tmp_path / "run")], env=RSS_ENV)
+             "--timestep_fraction", "0.34" if script == "train_grpo_flux.py" else "0.5", "--reward",
+             "jpeg_compressibility:1.0", "--max_train_steps", "2", "--sample_every", "0", "--no-progress_bar",
+             "--seed", "0", *mode]
+    run_torchrun([script, *flags, "--output_dir", str(tmp_path / "run")], env=RSS_ENV)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["peak_memory_gb"] - r["memory_baseline_gb"] for r in rows)
-    dry = run_single(["train_grpo_flux.py", *flags, "--output_dir", str(tmp_path / "plan"), "--dry_run",
+    dry = run_single([script, *flags, "--output_dir", str(tmp_path / "plan"), "--dry_run",
                       "--dry_run_world_size", "2"])
     planned = _plan_lines(dry.stdout)["peak"]
     assert abs(planned - measured) <= 0.25 * measured, (planned, measured)
