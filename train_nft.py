@@ -51,7 +51,7 @@ def train(args: argparse.Namespace) -> None:
         policy.model.eval()
         with old.active() as old_model:
             traj = rollout(old_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                           device=device, autocast_dtype=amp_dtype)
+                           device=device, autocast_dtype=amp_dtype, keep_latents=False)
         policy.model.train()
         x0 = traj.clean_latents  # (B, L, C) float32
 

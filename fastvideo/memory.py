@@ -360,9 +360,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     del sim, model
 
     # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
-    buffers = 4 * B * (S + 2) * L * C + 4 * B * 3 * args.h * args.w
+    kept = 0 if old_policy else S + 1  # NFT keeps only the clean latents, GRPO/DPO the trajectory too
+    buffers = 4 * B * (kept + 1) * L * C + 4 * B * 3 * args.h * args.w
     sde_noise = 4 * B * S * L * C if args.eta > 0 else 0
-    items.append(PlanItem("rollout buffers: latents B x (S+1) x L x C, images", buffers, sde_noise, "persistent",
+    what = "clean latents B x L x C" if old_policy else "latents B x (S+1) x L x C"
+    items.append(PlanItem(f"rollout buffers: {what}, images", buffers, sde_noise, "persistent",
                           f"B={B} S={S} L={L} C={C}" + ("; host: SDE noise" if sde_noise else "")))
     if gathered_latents:
         items.append(PlanItem("clean latents of the step, gathered (fp32)", 0.0, 4 * gathered_latents * L * C,

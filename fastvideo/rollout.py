@@ -101,13 +101,14 @@ class Trajectory:
     """One rollout of B samples over S steps (tensors on the rollout device, no grad).
 
     ``latents`` (B, S+1, L, C) float32: latents[:, 0] is the initial noise, latents[:, i+1] the result of
-    step i. ``log_probs`` (B, S) float32: log p(latents[:, i+1] | latents[:, i]), 0 where the step was an
+    step i (None when the rollout was asked to keep only the clean latents, as DiffusionNFT needs).
+    ``log_probs`` (B, S) float32: log p(latents[:, i+1] | latents[:, i]), 0 where the step was an
     ODE step. ``stochastic`` (B, S) bool. ``sigmas`` (S+1,) float32. ``images`` (B, 3, H, W) in [0, 1]
     decoded from ``clean_latents`` (B, L, C): the final latent, or the last x0_hat with ``decode_x0``.
     ``timings``: seconds spent sampling ("sample") and decoding ("decode").
     """
 
-    latents: torch.Tensor
+    latents: torch.Tensor | None
     log_probs: torch.Tensor
     sigmas: torch.Tensor
     stochastic: torch.Tensor
@@ -122,7 +123,7 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return self.latents.shape[0]
+        return self.clean_latents.shape[0]
 
     @property
     def sigma_max(self) -> float:
@@ -177,8 +178,10 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
 @torch.no_grad()
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
             cfg: RolloutConfig, noise: NoiseSource, geometry: flux.LatentGeometry, *,
-            device: torch.device | str, autocast_dtype: torch.dtype | None = None) -> Trajectory:
-    """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then decode."""
+            device: torch.device | str, autocast_dtype: torch.dtype | None = None,
+            keep_latents: bool = True) -> Trajectory:
+    """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then
+    decode. ``keep_latents=False`` records only the clean latents (no (B, S+1, L, C) trajectory buffer)."""
     device = torch.device(device)
     ids = batch["prompt_ids"]
     prompt_ids = [int(p) for p in (ids.tolist() if torch.is_tensor(ids) else ids)]
@@ -206,7 +209,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
     embeds_all, pooled_all = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
     img_ids = flux.image_ids(geometry, device, embeds_all.dtype)
     txt_ids = flux.text_ids(embeds_all.shape[1], device, embeds_all.dtype)
-    latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device)
+    latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device) if keep_latents else None
     log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
     clean = torch.empty(B, L, C, dtype=torch.float32, device=device)
     stochastic_dev = stochastic.to(device)
@@ -216,7 +219,8 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         mb = slice(start, min(start + cfg.batch_size, B))
         t0 = time.perf_counter()
         x = x_init[mb].to(device=device, dtype=torch.float32)  # (b, L, C)
-        latents[mb, 0] = x
+        if latents is not None:
+            latents[mb, 0] = x
         embeds = embeds_all[mb].to(device)
         pooled = pooled_all[mb].to(device)
         prev_x0 = prev_sigma = None  # dpm2: the previous step's x0_hat and sigma (first step first order)
@@ -240,7 +244,8 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
                 log_probs[mb, i] = torch.where(st, lp, torch.zeros_like(lp))
             if i == S - 1:
                 clean[mb] = x - sigma_list[i] * v if cfg.decode_x0 else x_next
-            latents[mb, i + 1] = x_next
+            if latents is not None:
+                latents[mb, i + 1] = x_next
             x = x_next
         _synchronize(device)
         t1 = time.perf_counter()
@@ -299,6 +304,8 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
     are the ones recorded in ``traj``; ``cfg`` supplies the guidance. ``batch`` is the dict the rollout
     used (same sample order). ``traj.noise_scale(j)`` gives the KL noise scale for ``losses.kl_loss``.
     """
+    if traj.latents is None:
+        raise ValueError("replay_log_prob needs the trajectory: sample with rollout(..., keep_latents=True)")
     dev = traj.latents.device
     idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
     jj = _step_index(j, dev)
