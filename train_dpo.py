@@ -31,7 +31,6 @@ from fastvideo.rollout import pair_errors, pair_noise, rollout
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --dry_run: the batch arithmetic and the per-rank memory plan only
     training.run_main(parse_dpo_args(argv), validate_dpo, plan_dpo, train)
 
 

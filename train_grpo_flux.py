@@ -24,7 +24,6 @@ from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --dry_run: the batch arithmetic and the per-rank memory plan only
     training.run_main(parse_grpo_args(argv), validate_grpo, plan_grpo, train)
 
 

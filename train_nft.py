@@ -26,7 +26,6 @@ from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    # --dry_run: the batch arithmetic and the per-rank memory plan only
     training.run_main(parse_nft_args(argv), validate_nft, plan_nft, train)
 
 
