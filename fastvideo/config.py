@@ -145,7 +145,7 @@ class PlanOptions:
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility)")
+                                   "jpeg_incompressibility, toyworld)")
     hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
     hps_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for the HPS checkpoint")
     pickscore_model: str | None = opt(None, "local PickScore CLIPModel folder for the pickscore reward")

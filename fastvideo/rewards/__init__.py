@@ -1,7 +1,9 @@
 """Reward registry: ``build_reward("hpsv2:1.0,jpeg_compressibility:0.5", device, **paths)`` -> RewardFn.
 
 A RewardFn maps (images (B,3,H,W) float in [0,1], prompts: list[str]) to a dict of (B,) float32 CPU
-tensors: ``"total"`` (the weighted sum) and one entry per reward name (unweighted, for logging).
+tensors: ``"total"`` (the weighted sum) and one entry per reward name (unweighted, for logging). A scorer may return a
+dict instead of a tensor: its ``"score"`` entry is the component's value, every other entry ``key`` is logged as
+``"<name>_<key>"`` (e.g. ``toyworld_strict``) and is not added to the total.
 Each family lives in its own module and imports open_clip/transformers only when built, so importing
 this package is cheap. Models are loaded once, in eval mode, without grad, on the given device; every
 path is local (nothing is downloaded) and a missing one is a FileNotFoundError naming its flag.
@@ -13,6 +15,8 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
   aesthetic               --aesthetic_checkpoint, --aesthetic_clip_checkpoint, --aesthetic_clip_model
   jpeg_compressibility    (no weights) -size_kB/500 at JPEG quality 95
   jpeg_incompressibility  (no weights) +size_kB/500
+  toyworld                (no weights) toy-world prompt following by pixel analysis: score = mean of colour, shape,
+                          count and position checks; also logs toyworld_strict/_color/_shape/_count/_position
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-Scorer = Callable[[torch.Tensor, Sequence[str]], torch.Tensor]
+Scorer = Callable[[torch.Tensor, Sequence[str]], torch.Tensor | dict[str, torch.Tensor]]
 
 # name -> (module, factory); each factory is build(device, **paths) -> Scorer.
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -33,6 +37,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "aesthetic": ("fastvideo.rewards.aesthetic", "build"),
     "jpeg_compressibility": ("fastvideo.rewards.jpeg", "build_compressibility"),
     "jpeg_incompressibility": ("fastvideo.rewards.jpeg", "build_incompressibility"),
+    "toyworld": ("fastvideo.rewards.toyworld", "build"),
 }
 REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -93,7 +98,8 @@ class RewardFn:
         return {name: weight for name, weight, _ in self.components}
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Score a batch; all outputs are detached (B,) float32 CPU tensors, "total" = sum of weight * component."""
+        """Score a batch; all outputs are detached (B,) float32 CPU tensors, "total" = sum of weight * component
+        (a dict-returning scorer adds its extra entries as ``name_key``, outside the total)."""
         if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3:
             shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
             raise ValueError(f"rewards take images of shape (B, 3, H, W) in [0, 1], got {shape}")
@@ -104,10 +110,17 @@ class RewardFn:
         total = torch.zeros(images.shape[0], dtype=torch.float32)
         with torch.no_grad():
             for name, weight, scorer in self.components:
-                scores = scorer(images, prompts).detach().to("cpu", torch.float32).reshape(-1)
-                _check_finite(name, scores, images, prompts)
-                out[name] = scores
-                total = total + weight * scores
+                result = scorer(images, prompts)
+                if isinstance(result, dict):  # "score" is the component; the rest are logged as name_key
+                    assert "score" in result, f"reward {name!r} returned a dict without 'score': {sorted(result)}"
+                    entries = {name: result["score"], **{f"{name}_{k}": v for k, v in result.items() if k != "score"}}
+                else:
+                    entries = {name: result}
+                for key, value in entries.items():
+                    value = value.detach().to("cpu", torch.float32).reshape(-1)
+                    _check_finite(key, value, images, prompts)
+                    out[key] = value
+                total = total + weight * out[name]
         return {"total": total, **out}
 
     def __repr__(self) -> str:

@@ -1,0 +1,275 @@
+"""Toy world: scene grammar and split, deterministic renderer, the pixel-analysis verifier and the toyworld reward."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from fastvideo.toyworld.scenes import (COLOR_NAMES, COLORS, HELDOUT_PAIRS, MARGIN, RELATIONS, SHAPES, PlacedObject,
+                                       SceneSpec, all_prompts, draw, format_prompt, layout, parse_prompt,
+                                       relation_margin, render, render_batch, render_prompt, shape_mask, side_range,
+                                       split_prompts, to_tensor)
+from fastvideo.toyworld.verify import SCORE_KEYS, detect_objects, score_batch, score_image
+
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def _sample(n: int, seed: int = 0) -> list[str]:
+    prompts = all_prompts()
+    return [prompts[i] for i in np.random.default_rng(seed).choice(len(prompts), n, replace=False)]
+
+
+def _blur_noise(images: torch.Tensor, sigma: float = 0.7, noise: float = 0.02, seed: int = 0) -> torch.Tensor:
+    """Gaussian blur (sigma px, replicate padding) + additive Gaussian noise, clamped to [0, 1]."""
+    r = int(np.ceil(3 * sigma))
+    t = torch.arange(-r, r + 1, dtype=torch.float32)
+    k = torch.exp(-t ** 2 / (2 * sigma ** 2))
+    k = k / k.sum()
+    B, C, H, W = images.shape
+    y = torch.nn.functional.pad(images.reshape(B * C, 1, H, W), (r, r, r, r), mode="replicate")
+    y = torch.nn.functional.conv2d(torch.nn.functional.conv2d(y, k.view(1, 1, 1, -1)), k.view(1, 1, -1, 1))
+    y = y.view(B, C, H, W) + noise * torch.randn(images.shape, generator=torch.Generator().manual_seed(seed))
+    return y.clamp(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------- grammar + split
+def test_all_prompts_round_trip_and_count():
+    prompts = all_prompts()
+    assert list(prompts) == sorted(set(prompts))
+    # 36 single groups + (count pairs with sum <= 4: 6) x (ordered colour pairs: 12) x (shape pairs: 9) x 4 relations
+    assert len(prompts) == 36 + 6 * 12 * 9 * 4 == 2628
+    for prompt in prompts:
+        spec = parse_prompt(prompt)
+        assert format_prompt(spec) == prompt
+        assert spec.num_objects <= 4
+        if spec.relation is not None:
+            assert spec.groups[0][1] != spec.groups[1][1]
+    assert "two red circles left of a blue square" in prompts and "a blue square" in prompts
+
+
+def test_parser_accepts_variants():
+    spec = SceneSpec(((1, "red", "circle"), (2, "blue", "triangle")), "above")
+    for text in ("a red circle above two blue triangles", "An Red circle  above two blue triangles.",
+                 "one red circle above two blue triangles"):
+        assert parse_prompt(text) == spec
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "cannot parse"),
+    ("a photo of a cat", "cannot parse"),
+    ("a purple circle", "cannot parse"),
+    ("four red circles", "cannot parse"),
+    ("a red circle near a blue square", "cannot parse"),
+    ("two red circle", "number disagreement"),
+    ("a red circles", "number disagreement"),
+    ("a red circle left of a red square", "differ in colour"),
+    ("three red circles left of two blue squares", "at most 4 objects"),
+])
+def test_parser_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_prompt(text)
+    with pytest.raises(ValueError, match="grammar|differ|at most"):
+        parse_prompt(text)
+
+
+def test_split_by_heldout_pairs():
+    train, heldout = split_prompts(seed=0)
+    assert train == sorted(train) and heldout == sorted(heldout)
+    assert not set(train) & set(heldout) and set(train) | set(heldout) == set(all_prompts())
+    assert (len(train), len(heldout)) == (1467, 1161)
+    for prompt in all_prompts():
+        pairs = {(c, s) for _, c, s in parse_prompt(prompt).groups}
+        assert bool(pairs & HELDOUT_PAIRS) == (prompt in heldout)
+    train_pairs = {(c, s) for p in train for _, c, s in parse_prompt(p).groups}
+    assert {c for c, _ in train_pairs} == set(COLOR_NAMES) and {s for _, s in train_pairs} == set(SHAPES)
+    assert not train_pairs & HELDOUT_PAIRS
+    assert {parse_prompt(p).relation for p in train} == set(RELATIONS) | {None}
+    assert split_prompts(seed=1) == (train, heldout)
+
+
+# ----------------------------------------------------------------------------------------------- renderer
+def test_render_is_deterministic_per_prompt_and_seed():
+    prompt = "two red circles left of a blue square"
+    a, b = render_prompt(prompt, 64, seed=3), render_prompt(prompt, 64, seed=3)
+    assert a.dtype == np.uint8 and a.shape == (64, 64, 3) and a.tobytes() == b.tobytes()
+    layouts = {tuple(layout(prompt, 64, seed)) for seed in range(10)}
+    assert len(layouts) == 10
+    assert render_prompt(prompt, 64, seed=4).tobytes() != a.tobytes()
+    assert render(parse_prompt(prompt), 64, 3).tobytes() == a.tobytes()
+
+
+def _pixel_centroid(obj: PlacedObject) -> tuple[float, float]:
+    ys, xs = np.nonzero(shape_mask(obj.shape, obj.side))
+    return obj.x + xs.mean() + 0.5, obj.y + ys.mean() + 0.5
+
+
+@pytest.mark.parametrize("size", [32, 48, 64])
+def test_layouts_are_valid(size):
+    lo, hi = side_range(size)
+    for i, prompt in enumerate(_sample(150, seed=size)):
+        spec = parse_prompt(prompt)
+        objects = layout(spec, size, seed=i)
+        assert [(o.color, o.shape) for o in objects] == [(c, s) for n, c, s in spec.groups for _ in range(n)]
+        for o in objects:
+            assert lo <= o.side <= hi
+            assert MARGIN <= o.x and o.x + o.side <= size - MARGIN and MARGIN <= o.y and o.y + o.side <= size - MARGIN
+        for a, b in itertools.combinations(objects, 2):  # bounding boxes >= MARGIN px apart on some axis
+            assert (a.x + a.side + MARGIN <= b.x or b.x + b.side + MARGIN <= a.x
+                    or a.y + a.side + MARGIN <= b.y or b.y + b.side + MARGIN <= a.y)
+        if spec.relation is not None:
+            axis = 0 if spec.relation in ("left of", "right of") else 1
+            c1 = [_pixel_centroid(o)[axis] for o in objects if o.group == 0]
+            c2 = [_pixel_centroid(o)[axis] for o in objects if o.group == 1]
+            gap = min(c2) - max(c1) if spec.relation in ("left of", "above") else min(c1) - max(c2)
+            assert gap >= relation_margin(size) - 0.5, (prompt, gap)
+        image = draw(objects, size)  # exact pixel counts per colour: objects do not overlap
+        for color in COLOR_NAMES:
+            expected = sum(int(shape_mask(o.shape, o.side).sum()) for o in objects if o.color == color)
+            assert int((image == COLORS[color]).all(-1).sum()) == expected
+
+
+def test_render_batch_and_bad_inputs():
+    prompts = ["a red circle", "two blue squares"]
+    batch = render_batch(prompts, 48, seeds=[0, 1])
+    assert batch.shape == (2, 3, 48, 48) and batch.dtype == torch.float32
+    assert 0 <= batch.min() and batch.max() <= 1
+    torch.testing.assert_close(batch[1], to_tensor(render_prompt(prompts[1], 48, 1)))
+    assert torch.equal(render_batch(prompts, 48, seeds=5)[0], to_tensor(render_prompt(prompts[0], 48, 5)))
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        render_batch(prompts, 48, seeds=[0])
+    with pytest.raises(ValueError, match=r"size must be an integer in \[32, 64\]"):
+        render_prompt("a red circle", 16)
+
+
+def test_layout_gives_up_with_a_value_error(monkeypatch):
+    from fastvideo.toyworld import scenes
+
+    monkeypatch.setattr(scenes, "_LAYOUT_BATCH", 1)
+    monkeypatch.setattr(scenes, "_LAYOUT_ROUNDS", 1)
+    prompts = [p for p in all_prompts() if parse_prompt(p).num_objects == 4][:50]
+    with pytest.raises(ValueError, match="no valid layout.*larger image size"):
+        for seed, prompt in enumerate(prompts):
+            layout(prompt, 32, seed)
+
+
+# ----------------------------------------------------------------------------------------------- verifier
+def _strict_accuracy(prompts: list[str], images: torch.Tensor) -> float:
+    return float(score_batch(images, prompts)["strict"].mean())
+
+
+@pytest.mark.parametrize("size", [32, 48, 64])
+def test_ground_truth_is_judged_correct(size):
+    prompts = _sample(400, seed=size)
+    images = render_batch(prompts, size, seeds=list(range(len(prompts))))
+    scores = score_batch(images, prompts)
+    assert set(scores) == set(SCORE_KEYS)
+    for key in SCORE_KEYS:  # measured: 1.0 on every one of the 2628 prompts at 32, 48 and 64 px
+        assert scores[key].min() == 1.0, (key, [p for p, s in zip(prompts, scores[key]) if s < 1][:3])
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_ground_truth_after_blur_and_noise(size):
+    prompts = _sample(400, seed=100 + size)
+    images = render_batch(prompts, size, seeds=list(range(len(prompts))))
+    # measured over all 2628 prompts: strict 1.000 for sigma 0.7 (noise 0.02 or 0.04) and sigma 1.0 at 32..64 px
+    assert _strict_accuracy(prompts, _blur_noise(images, 0.7, 0.02)) == 1.0
+    assert _strict_accuracy(prompts, _blur_noise(images, 1.0, 0.02, seed=1)) >= 0.99
+
+
+def test_score_image_formats_and_specks():
+    prompt = "three green triangles above a yellow square"
+    image = render_prompt(prompt, 64, seed=7)
+    assert score_image(image, prompt) == score_image(to_tensor(image), prompt) == {k: 1.0 for k in SCORE_KEYS}
+    specked = image.copy()
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # 3x3 specks of a prompt colour on the background are below the minimum area
+        y, x = rng.integers(0, 61, size=2)
+        if (specked[y:y + 3, x:x + 3] == image[0, 0]).all():
+            specked[y:y + 3, x:x + 3] = COLORS["green"]
+    assert (specked != image).any()
+    assert score_image(specked, prompt)["strict"] == 1.0
+    blank = draw([], 64)
+    assert detect_objects(blank) == [[]]
+    assert score_image(blank, prompt) == {"score": 0.0, "strict": 0.0, "color": 0.0, "shape": 0.0, "count": 0.0,
+                                          "position": 0.0}
+    assert score_image(blank, "a red circle")["position"] == 1.0  # no relation asked
+    with pytest.raises(ValueError, match="one prompt per image"):
+        score_batch(to_tensor(image)[None], [prompt, prompt])
+    with pytest.raises(ValueError, match="cannot parse"):
+        score_image(image, "a cat")
+
+
+def _corrupt(spec: SceneSpec, kind: str, rng: np.random.Generator) -> SceneSpec | None:
+    """A spec that differs from ``spec`` in one way (None: render an empty image)."""
+    groups = [list(g) for g in spec.groups]
+    i = int(rng.integers(len(groups)))
+    if kind == "color":
+        used = {g[1] for g in groups}
+        groups[i][1] = str(rng.choice([c for c in COLOR_NAMES if c not in used]))
+    elif kind == "shape":
+        groups[i][2] = str(rng.choice([s for s in SHAPES if s != groups[i][2]]))
+    elif kind == "count":
+        many = [j for j, g in enumerate(groups) if g[0] > 1]
+        if many:
+            groups[many[int(rng.integers(len(many)))]][0] -= 1
+        elif len(groups) == 2:  # both single: drop one group
+            return SceneSpec((tuple(groups[1 - i]),))
+        else:
+            return None
+    elif kind == "position":
+        return SceneSpec(spec.groups, OPPOSITE[spec.relation])
+    return SceneSpec(tuple(tuple(g) for g in groups), spec.relation)
+
+
+@pytest.mark.parametrize("kind, key", [("color", "color"), ("shape", "shape"), ("count", "count"),
+                                       ("position", "position")])
+def test_corruptions_are_caught(kind, key):
+    rng = np.random.default_rng(0)
+    prompts = [p for p in _sample(600, seed=7) if kind != "position" or parse_prompt(p).relation][:300]
+    images = []
+    for seed, prompt in enumerate(prompts):
+        wrong = _corrupt(parse_prompt(prompt), kind, rng)
+        images.append(to_tensor(draw([], 64) if wrong is None else render(wrong, 64, seed)))
+    images = torch.stack(images)
+    # measured on all prompts at 32 and 64 px: 0 corrupted images judged correct, sharp and blurred (sigma 0.7, 1.0)
+    for batch in (images, _blur_noise(images, 0.7, 0.02)):
+        scores = score_batch(batch, prompts)
+        assert scores["strict"].max() == 0.0
+        assert scores[key].max() < 1.0
+
+
+# ----------------------------------------------------------------------------------------------- reward registry
+def test_toyworld_reward_in_registry():
+    from fastvideo.rewards import REWARD_NAMES, build_reward
+
+    assert "toyworld" in REWARD_NAMES
+    prompts = ["two red circles left of a blue square", "a yellow triangle", "a green circle below two red squares"]
+    images = render_batch(prompts, 64, seeds=[0, 1, 2])
+    images[2] = to_tensor(render_prompt("a green circle above two red squares", 64, 2))  # position wrong
+    out = build_reward("toyworld:1.0", "cpu")(images, prompts)
+    assert list(out) == ["total", "toyworld", "toyworld_strict", "toyworld_color", "toyworld_shape",
+                         "toyworld_count", "toyworld_position"]
+    for value in out.values():
+        assert value.shape == (3,) and value.dtype == torch.float32 and value.device.type == "cpu"
+    torch.testing.assert_close(out["total"], out["toyworld"])
+    torch.testing.assert_close(out["toyworld"], torch.tensor([1.0, 1.0, 0.75]))
+    torch.testing.assert_close(out["toyworld_strict"], torch.tensor([1.0, 1.0, 0.0]))
+    torch.testing.assert_close(out["toyworld_position"], torch.tensor([1.0, 1.0, 0.0]))
+
+    mixed = build_reward("toyworld:2.0,jpeg_compressibility:0.5", "cpu")(images, prompts)
+    torch.testing.assert_close(mixed["total"], 2.0 * mixed["toyworld"] + 0.5 * mixed["jpeg_compressibility"])
+    assert "toyworld_strict" in mixed and "jpeg_compressibility" in mixed
+
+
+def test_toyworld_reward_errors():
+    from fastvideo.rewards import build_reward
+
+    fn = build_reward("toyworld", "cpu")
+    images = render_batch(["a red circle", "a blue square"], 32, seeds=0)
+    with pytest.raises(ValueError, match="toy-world prompts only.*cannot parse toy-world prompt 'a bowl of ramen'"):
+        fn(images, ["a red circle", "a bowl of ramen"])
+    images[1, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="'toyworld'.*'a blue square'.*NaN"):
+        fn(images, ["a red circle", "a blue square"])
