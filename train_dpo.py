@@ -26,7 +26,6 @@ from fastvideo.data import EmbeddingDataset, GroupSampler
 from fastvideo.losses import dpo_loss, dpo_pair_metrics
 from fastvideo.memory import plan_dpo
 from fastvideo.preference import LatentCache, read_preference_file
-from fastvideo.rewards import parse_reward_spec
 from fastvideo.rollout import pair_errors, pair_noise, rollout
 
 
@@ -39,18 +38,13 @@ def train(args: argparse.Namespace) -> None:
     run = training.start_run(args, validate_dpo)
     dist, device, noise, amp_dtype = run.dist, run.device, run.noise, run.amp_dtype
     online = args.preference_file is None
-    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-    dataset = EmbeddingDataset(args.data_json_path)
-    dataset.check_encoders(args.pretrained_model_name_or_path)
     if online:
-        parse_reward_spec(args.reward)
-        sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
-                               rank=dist.rank, world_size=dist.world_size)
+        geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
     else:  # every line checked (paths, prompts, image sizes) before any model is loaded
+        geometry, dataset, rollout_cfg = run.sampling_inputs()
         pairs = read_preference_file(args.preference_file, dataset.prompts, args.h, args.w)
         sampler = GroupSampler(len(pairs), args.prompts_per_step, 1, seed=args.seed, rank=dist.rank,
                                world_size=dist.world_size)
-    rollout_cfg = training.rollout_config(args)
 
     # ---- reward, models (reference = adapters off / frozen copy / snapshot), optimizer; resume ---
     run.load_models(reward=online, need_reference=True, ref_snapshot=args.ref_update_interval > 0,

@@ -16,11 +16,11 @@ import torch
 
 from fastvideo import distributed as D
 from fastvideo import training
-from fastvideo.training import rank_mean
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.losses import first_update_check, grpo_loss, kl_loss
 from fastvideo.memory import plan_grpo
 from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps
+from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -293,7 +293,10 @@ class EMA:
     ``save_checkpoint(..., ema=ema)`` stores the EMA resharding-safely (DCP) and is what trainers use.
     """
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = True) -> None:
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True,
+                 shadow: list[torch.Tensor] | None = None) -> None:
+        """``shadow``: tensors, one per trainable parameter's local shard, to hold the average in place of fresh
+        clones (aliases of another sharded copy, e.g. DiffusionNFT's old policy); default: clones of the shards."""
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"--ema_decay must be in [0, 1), got {decay}")
         named = named_trainable_parameters(model)
@@ -305,8 +308,9 @@ class EMA:
         self._params = [p for _, p in named]
         reshard(model)
         with torch.no_grad():
-            self.shadow = [_local(p).detach().clone() for p in self._params]
+            self.shadow = [_local(p).detach().clone() for p in self._params] if shadow is None else list(shadow)
         self.num_updates = 0
+        self._locals()  # the shadow must match the local shards (checks the shapes)
 
     def _locals(self) -> list[torch.Tensor]:
         locals_ = [_local(p).detach() for p in self._params]

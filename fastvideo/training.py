@@ -67,16 +67,16 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-class OldPolicy:
+class OldPolicy(ckpt.EMA):
     """DiffusionNFT's old policy v_old (REFERENCE §6): it samples the rollouts and anchors the implicit v⁺/v⁻.
 
     LoRA: a second, frozen adapter ``old`` in the same sharded model (``active()`` switches to it without touching
     ``requires_grad``, so only ``default`` is trained and in the optimizer). Full fine-tune: a second sharded
     transformer with fp32 master weights (computed in the compute dtype through FSDP's mixed precision; fp32 because
     ``old <- d*old + (1-d)*theta`` with d up to 0.999 moves by ~1e-3 of a difference, below bf16's resolution).
-    Either way each rank holds its old shard aligned with its shard of the trained weights (FSDP2 shards both alike),
-    so ``update`` is one local ``lerp`` with no communication. Checkpointed as the shadow ``old``
-    (``swap_into``/``capture``/``counters``: the protocol ``checkpoint.EMA`` has), hence restored exactly.
+    It is a ``checkpoint.EMA`` of the trained weights whose shadow *is* the old weights' local shards (FSDP2 shards
+    both alike), so ``update(decay)`` is one local ``lerp`` with no communication, and the checkpoint saves and
+    restores it as the shadow ``old`` exactly like the EMA.
     """
 
     ADAPTER = "old"
@@ -89,18 +89,11 @@ class OldPolicy:
         missing = [rename(n) for n, _ in named if rename(n) not in source]
         if missing:
             raise ValueError(f"the old policy lacks {len(missing)} of the trained parameters, e.g. {missing[:2]}")
-        self.names = [n for n, _ in named]
-        self._theta = [p for _, p in named]
-        self._old = [source[rename(n)] for n, _ in named]
-        for name, a, b in zip(self.names, self._theta_locals(), self._old_locals()):
-            assert a.shape == b.shape, f"old policy shard of {name} is not aligned with the trained shard"
-        self.num_updates = 0
-
-    def _theta_locals(self) -> list[torch.Tensor]:
-        return [ckpt._local(p).detach() for p in self._theta]
-
-    def _old_locals(self) -> list[torch.Tensor]:
-        return [ckpt._local(p).detach() for p in self._old]
+        if old_model is not None:
+            parallel.reshard(old_model)
+        with torch.no_grad():
+            shadow = [ckpt._local(source[rename(n)]).detach() for n, _ in named]
+        super().__init__(model, decay=0.0, warmup=False, shadow=shadow)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[torch.nn.Module]:
@@ -111,46 +104,13 @@ class OldPolicy:
             with lora.use_adapter(self.model, self.ADAPTER):
                 yield self.model
 
-    def _reshard(self) -> None:
+    def update(self, decay: float | None = None) -> None:
+        """``old <- decay*old + (1-decay)*theta`` on every local shard (after resharding what forwards left
+        gathered, so the next old-policy forward gathers the updated shards)."""
         parallel.reshard(self.model)
         if self.old_model is not None:
             parallel.reshard(self.old_model)
-
-    @torch.no_grad()
-    def update(self, decay: float) -> None:
-        """``old <- decay*old + (1-decay)*theta`` on every local shard (one fused foreach op)."""
-        self._reshard()
-        torch._foreach_lerp_(self._old_locals(), self._theta_locals(), 1.0 - float(decay))
-        self.num_updates += 1
-
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Set the old policy to the current trained weights (``update(0)`` without counting)."""
-        self._reshard()
-        torch._foreach_copy_(self._old_locals(), self._theta_locals())
-
-    @contextlib.contextmanager
-    def swap_into(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """Temporarily put the old weights into the trained parameters (checkpointing reads/writes them there)."""
-        assert model is self.model, "OldPolicy.swap_into: not the model the old policy was built on"
-        self._reshard()
-        with torch.no_grad():
-            theta = self._theta_locals()
-            backup = [t.clone() for t in theta]
-            torch._foreach_copy_(theta, self._old_locals())
-        try:
-            yield model
-        finally:
-            self._reshard()
-            with torch.no_grad():
-                torch._foreach_copy_(self._theta_locals(), backup)
-
-    def counters(self) -> dict:
-        return {"num_updates": self.num_updates}
-
-    def load_counters(self, counters: dict | None) -> None:
-        if counters:
-            self.num_updates = int(counters["num_updates"])
+        super().update(decay)
 
 
 def build_policy(args: argparse.Namespace, device: torch.device, *, need_reference: bool,
@@ -443,21 +403,30 @@ class Run:
     def out(self) -> Path:
         return Path(self.args.output_dir)
 
+    def sampling_inputs(self) -> tuple[Any, Any, Any]:
+        """What every trainer that samples reads before any model loads: ``(latent geometry, EmbeddingDataset checked
+        against the model's text encoders, RolloutConfig)``."""
+        from fastvideo.data import EmbeddingDataset
+
+        args = self.args
+        geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+        dataset = EmbeddingDataset(args.data_json_path)
+        dataset.check_encoders(args.pretrained_model_name_or_path)
+        return geometry, dataset, rollout_config(args)
+
     def prompt_groups(self) -> tuple[Any, Any, Any, Any]:
         """The inputs of a trainer that samples --num_generations images for each of --prompts_per_step prompts per
-        step (GRPO, NFT, online DPO), checked before any model loads: the reward spec, the embeddings (against the
-        model's text encoders); returns ``(latent geometry, EmbeddingDataset, GroupSampler, RolloutConfig)``."""
-        from fastvideo.data import EmbeddingDataset, GroupSampler
+        step (GRPO, NFT, online DPO), checked before any model loads: the reward spec, then ``sampling_inputs``;
+        returns ``(latent geometry, EmbeddingDataset, GroupSampler, RolloutConfig)``."""
+        from fastvideo.data import GroupSampler
         from fastvideo.rewards import parse_reward_spec
 
         args = self.args
         parse_reward_spec(args.reward)
-        geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-        dataset = EmbeddingDataset(args.data_json_path)
-        dataset.check_encoders(args.pretrained_model_name_or_path)
+        geometry, dataset, cfg = self.sampling_inputs()
         sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
                                rank=self.dist.rank, world_size=self.dist.world_size)
-        return geometry, dataset, sampler, rollout_config(args)
+        return geometry, dataset, sampler, cfg
 
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
                     old_policy: bool = False, optimizer_steps: int) -> None:
