@@ -6,6 +6,7 @@ setup(
     version="0.1.0",
     description="GRPO, Diffusion-DPO and DiffusionNFT post-training for FLUX flow-matching models",
     packages=find_packages(include=["fastvideo", "fastvideo.*"]),
+    package_data={"fastvideo.toyworld": ["weights/*.json", "weights/*/*"]},  # the pretrained toy FLUX
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6,<=2.14.1",
@@ -23,5 +24,6 @@ setup(
         "test": ["pytest>=7.4", "pytest-timeout"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
+        "bench": ["matplotlib"],  # benchmarks/algorithms.py (its plot)
     },
 )

@@ -1,0 +1,84 @@
+"""``python -m fastvideo.toyworld {build,pretrain,prompts}``: the toy FLUX from the shipped weights or trained from
+scratch, and the prompt splits as files."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from fastvideo.toyworld import scenes
+
+
+def write_prompt_files(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Write ``train.txt`` and ``heldout.txt`` (one prompt a line) to ``out_dir``, each in a seeded random order so
+    that the first N lines are a uniform sample (``--eval_max_prompts N`` evaluates on them)."""
+    import torch
+
+    from fastvideo.seeding import derive_seed
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, prompts in zip(("train", "heldout"), scenes.split_prompts()):
+        g = torch.Generator().manual_seed(derive_seed(seed, "toyworld-prompt-order", name))
+        order = torch.randperm(len(prompts), generator=g).tolist()
+        path = out / f"{name}.txt"
+        path.write_text("".join(prompts[i] + "\n" for i in order))
+        paths[name] = path
+    return paths
+
+
+def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
+    from fastvideo.toyworld.pretrain import PretrainConfig
+
+    p = sub.add_parser("pretrain", help="train the toy FLUX (VAE + transformer) on toy-world scenes from scratch")
+    p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
+    for f in dataclasses.fields(PretrainConfig):
+        kind = type(f.default)
+        if kind is bool:
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f"(default {f.default})")
+        elif kind is tuple:
+            p.add_argument(f"--{f.name}", type=int, nargs="+", default=f.default, help=f"(default {f.default})")
+        else:
+            p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"(default {f.default})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fastvideo.toyworld", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="write the toy FLUX folder from the shipped pretrained weights (seconds)")
+    p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
+    _pretrain_parser(sub)
+    p = sub.add_parser("prompts", help="write train.txt / heldout.txt prompt files (seeded order)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seed", type=int, default=0, help="seed of the line order")
+    args = parser.parse_args(argv)
+
+    if args.command == "prompts":
+        for name, path in write_prompt_files(args.out, args.seed).items():
+            print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")
+        return
+
+    from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        sys.exit(f"--out {out} already exists and is not empty: remove it or choose another folder")
+    if args.command == "build":
+        path = build_from_shipped(out)
+        print(f"toy FLUX: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+        return
+    fields = {f.name for f in dataclasses.fields(PretrainConfig)}
+    try:
+        cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as err:
+        sys.exit(str(err))
+    path = pretrain(out, cfg, log=lambda msg: print(msg, flush=True))
+    print(f"toy FLUX: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+
+
+if __name__ == "__main__":
+    main()
