@@ -139,7 +139,8 @@ def train(args: argparse.Namespace) -> None:
             "samples_per_s": run.counts.get("samples_per_step", 2 * args.prompts_per_step) / step_time,
         })
         postfix = {"loss": "{:.4f}", **({"reward_mean": "{:.5g}"} if online else {})}
-        run.end_step(step, metrics, images, postfix=postfix)
+        if run.end_step(step, metrics, images, postfix=postfix):
+            break
 
     run.finish()
 

@@ -119,7 +119,8 @@ def train(args: argparse.Namespace) -> None:
         if dist.is_main and ratio_warning and not warned_ratio:
             warned_ratio = True
             print(f"warning: step {step}: {ratio_warning}", flush=True)
-        run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"})
+        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"}):
+            break
 
     run.finish()
 

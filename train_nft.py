@@ -120,7 +120,8 @@ def train(args: argparse.Namespace) -> None:
             "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
             "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
         }
-        run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"})
+        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"}):
+            break
 
     run.finish()
 

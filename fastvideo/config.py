@@ -98,6 +98,10 @@ class OptimOptions:
                             choices=("constant_with_warmup", "cosine", "constant"))
     lr_warmup_steps: int = opt(0, "warm-up length in optimizer steps")
     max_train_steps: int = opt(300, "training steps (one rollout + its updates each)")
+    max_train_seconds: float = opt(
+        0.0, "also stop after the first step that ends past this many seconds of training (slowest rank; evaluation "
+        "excluded; 0 = no limit): checkpoint, last evaluation and export as at --max_train_steps (the run's length "
+        "then depends on the machine's speed)")
     train_batch_size: int = opt(4, "samples per replay micro-batch (per rank)")
     gradient_accumulation_steps: int = opt(
         0, "micro-batches per optimizer step (0 = all of a rank's samples -> one optimizer step per rollout)")
@@ -157,6 +161,16 @@ class RewardOptions:
         None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
     aesthetic_clip_model: str = opt("ViT-L-14-quickgelu", "open_clip architecture of --aesthetic_clip_checkpoint "
                                                           "(when it is an open_clip file)")
+
+
+@dataclass
+class EvalOptions:
+    eval_data_json_path: str | None = opt(
+        None, "embeddings manifest of evaluation prompts (e.g. held-out ones): each is sampled once with the "
+        "deterministic Euler sampler at --sampling_steps (fixed noise), scored with --reward and logged as eval_* "
+        "metrics before step 1, every --eval_every steps and at the last step (off if unset)")
+    eval_every: int = opt(0, "evaluate every N training steps (0 = only before step 1 and after the last step)")
+    eval_max_prompts: int = opt(0, "evaluate the first N prompts of --eval_data_json_path (0 = all)")
 
 
 @dataclass
@@ -221,10 +235,10 @@ class NFTOptions:
 
 
 GRPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, GRPOOptions, OptimOptions, LoRAOptions,
-               ParallelOptions, RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+               ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
 
 NFT_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, NFTOptions, OptimOptions, LoRAOptions,
-              ParallelOptions, RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+              ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
 
 # NFT reads these shared flags in its own units / with DiffusionNFT's defaults
 NFT_DEFAULTS = {"output_dir": "outputs/nft", "wandb_project": "flux-nft", "global_std": True}
@@ -241,7 +255,7 @@ NFT_HELP = {
 
 
 DPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, DPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
-              RewardOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+              RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
 
 # DPO reads these shared flags in its own units
 DPO_DEFAULTS = {"output_dir": "outputs/dpo", "wandb_project": "flux-dpo"}
@@ -312,6 +326,17 @@ def _need(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> None:
+    """FileNotFoundError naming the preprocessing command when ``path`` (a manifest or its folder) has no manifest."""
+    if path is None:
+        return
+    data = Path(path)
+    manifest = data / "manifest.json" if data.is_dir() else data
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{flag} {data}: no manifest.json; run preprocess_embeddings.py --model_path {model} "
+                                f"--prompt_file {prompts} --output_dir {data} first")
+
+
 def validate_common(args: argparse.Namespace) -> None:
     """Checks shared by all trainers: paths exist, numbers are in range."""
     _need(args.pretrained_model_name_or_path is not None,
@@ -324,15 +349,13 @@ def validate_common(args: argparse.Namespace) -> None:
     dry_run = getattr(args, "dry_run", False)  # a plan needs no embeddings (512 text tokens are assumed)
     _need(args.data_json_path is not None or dry_run,
           "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
-    if args.data_json_path is not None:
-        data = Path(args.data_json_path)
-        manifest = data / "manifest.json" if data.is_dir() else data
-        if not manifest.is_file() and not dry_run:
-            raise FileNotFoundError(f"--data_json_path {data}: no manifest.json; run preprocess_embeddings.py "
-                                    f"--model_path {model} --prompt_file PROMPTS --output_dir {data} first")
+    if not dry_run:
+        _check_manifest("--data_json_path", args.data_json_path, model, "PROMPTS")
+        _check_manifest("--eval_data_json_path", args.eval_data_json_path, model, "EVAL_PROMPTS")
     _need(getattr(args, "dry_run_world_size", None) is None or args.dry_run_world_size >= 1,
           f"--dry_run_world_size must be >= 1, got {getattr(args, 'dry_run_world_size', None)}")
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
+    _need(args.max_train_seconds >= 0, f"--max_train_seconds must be >= 0 (0 = no limit), got {args.max_train_seconds}")
     _need(args.learning_rate >= 0, f"--learning_rate must be >= 0, got {args.learning_rate}")
     _need(args.lr_warmup_steps >= 0, f"--lr_warmup_steps must be >= 0, got {args.lr_warmup_steps}")
     _need(not (args.lr_warmup_steps and args.lr_scheduler == "constant"),
@@ -350,6 +373,8 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.checkpoints_total_limit is None or args.checkpoints_total_limit >= 1,
           f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
     _need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
+    _need(args.eval_every >= 0, f"--eval_every must be >= 0 (0 = first and last step only), got {args.eval_every}")
+    _need(args.eval_max_prompts >= 0, f"--eval_max_prompts must be >= 0 (0 = all), got {args.eval_max_prompts}")
     _need(0.0 < args.ema_decay < 1.0, f"--ema_decay must be in (0, 1), got {args.ema_decay}")
     _need(args.train_batch_size >= 1, f"--train_batch_size must be >= 1, got {args.train_batch_size}")
     _need(args.gradient_accumulation_steps >= 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -394,6 +395,10 @@ class Run:
     skipped_updates: int = 0
     logger: Any = None
     bar: Any = None
+    geometry: Any = None
+    eval_dataset: Any = None  # EmbeddingDataset of --eval_data_json_path
+    train_seconds: float = 0.0  # wall-clock of training steps so far (evaluation excluded; resumed from checkpoints)
+    step_started: float = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -405,13 +410,26 @@ class Run:
 
     def sampling_inputs(self) -> tuple[Any, Any, Any]:
         """What every trainer that samples reads before any model loads: ``(latent geometry, EmbeddingDataset checked
-        against the model's text encoders, RolloutConfig)``."""
+        against the model's text encoders and the reward's prompt grammar, RolloutConfig)``; also opens and checks
+        --eval_data_json_path (same text length as the training data)."""
         from fastvideo.data import EmbeddingDataset
+        from fastvideo.rewards import check_reward_prompts
 
         args = self.args
         geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
         dataset = EmbeddingDataset(args.data_json_path)
         dataset.check_encoders(args.pretrained_model_name_or_path)
+        check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
+        if args.eval_data_json_path is not None:
+            self.eval_dataset = EmbeddingDataset(args.eval_data_json_path)
+            self.eval_dataset.check_encoders(args.pretrained_model_name_or_path)
+            check_reward_prompts(args.reward, self.eval_dataset.prompts,
+                                 f"--eval_data_json_path {args.eval_data_json_path}")
+            if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
+                raise ValueError(f"--eval_data_json_path has {self.eval_dataset.max_sequence_length} text tokens but "
+                                 f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
+                                 f"prompts with --max_sequence_length {dataset.max_sequence_length}")
+        self.geometry = geometry
         return geometry, dataset, rollout_config(args)
 
     def prompt_groups(self) -> tuple[Any, Any, Any, Any]:
@@ -431,7 +449,8 @@ class Run:
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
                     old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
-        paths first), policy (+ reference, EMA), optimizer, LR schedule (``optimizer_steps`` long) and VAE."""
+        paths first; also loaded without ``reward`` when --eval_data_json_path is set), policy (+ reference, EMA),
+        optimizer, LR schedule (``optimizer_steps`` long) and VAE."""
         from fastvideo.config import save_config
         from fastvideo.logging import current_memory_gb
         from fastvideo.rewards import build_reward
@@ -440,7 +459,7 @@ class Run:
         if self.dist.is_main:
             save_config(self.config, self.out / "config.json")
         self.memory_baseline = current_memory_gb(self.device, import_model_libraries=True)
-        if reward:
+        if reward or self.eval_dataset is not None:
             self.reward_fn = build_reward(args.reward, self.device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
         self.policy = build_policy(args, self.device, need_reference=need_reference, ref_snapshot=ref_snapshot,
                                    old_policy=old_policy)
@@ -461,6 +480,7 @@ class Run:
         if self.resume_dir is not None:
             extra = load_state(self.resume_dir, self.policy, self.optimizer, self.lr_scheduler)
             self.start_step, self.skipped_updates = extra["step"], extra["skipped_updates"]
+            self.train_seconds = extra.get("train_seconds", 0.0)
             for name, obj in self.state.items():
                 obj.load_state_dict(extra[name])
             set_rng_state(extra["rng"][rank] if rank < len(extra["rng"]) else extra["rng"][0])
@@ -470,13 +490,48 @@ class Run:
                                     wandb_project=args.wandb_project,
                                     resume_step=self.start_step if self.resume_dir else None)
         self.bar = progress_bar(args.max_train_steps, self.start_step, enabled=self.dist.is_main and args.progress_bar)
+        if self.eval_dataset is not None and self.start_step == 0:
+            self.logger.log(0, self.evaluate(0))
+        self.step_started = time.perf_counter()
         return self.start_step
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Sample the first --eval_max_prompts prompts of --eval_data_json_path once each with the current weights
+        (Euler ODE, the run's steps/shift/guidance, initial noise keyed by (seed, "eval", prompt id): the same at every
+        evaluation), score them with --reward and return ``eval_<component>`` means (``eval_total`` for the weighted
+        sum) and ``time_eval`` (seconds); rank 0 saves OUT/samples/eval-step-N.png. Prompts are split over ranks (padded
+        to equal counts: FSDP needs the same forwards on every rank). A collective; draws no global randomness."""
+        import dataclasses
+
+        from fastvideo.logging import save_image_grid
+        from fastvideo.rollout import rollout
+        from fastvideo.seeding import NoiseSource, derive_seed
+
+        args, ds, dist = self.args, self.eval_dataset, self.dist
+        t0 = time.perf_counter()
+        n = min(args.eval_max_prompts or len(ds), len(ds))
+        per_rank = -(-n // dist.world_size)
+        ids = [min(i, n - 1) for i in range(dist.rank * per_rank, (dist.rank + 1) * per_rank)]
+        batch = batch_to(ds.get_batch(ids), self.device)
+        cfg = dataclasses.replace(rollout_config(args), eta=0.0, solver="euler", sde_window_size=0,
+                                  init_same_noise=False)
+        noise = NoiseSource(derive_seed(args.seed, "eval"), device=args.noise_device)
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        traj = rollout(model, self.vae, batch, [0] * len(ids), 0, cfg, noise, self.geometry, device=self.device,
+                       autocast_dtype=self.amp_dtype, keep_latents=False)
+        model.train(was_training)
+        rewards, _ = self.score(traj.images, batch["prompts"])  # gathered in prompt order; entries >= n are padding
+        metrics = {("eval_total" if k == "total" else f"eval_{k}"): float(v[:n].mean()) for k, v in rewards.items()}
+        if dist.is_main:
+            save_image_grid(traj.images[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
+        metrics["time_eval"] = time.perf_counter() - t0
+        return metrics
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
         """Reward this rank's images in one batched call, all-gathered over ranks: ``name -> (P*G,)`` CPU float32 in
         global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent."""
-        import time
-
         t0 = time.perf_counter()
         rewards = self.reward_fn(images, prompts)
         seconds = time.perf_counter() - t0
@@ -521,27 +576,45 @@ class Run:
         return grad_norm
 
     def end_step(self, step: int, metrics: dict[str, Any], images: torch.Tensor | None,
-                 postfix: dict[str, str]) -> None:
-        """Log ``metrics`` (+ lr, skipped updates, peak and baseline memory over ranks), advance the bar, save rank
-        0's sample grid every --sample_every steps (and at step 1), checkpoint every --checkpointing_steps (and at the
-        last step). A collective: every rank calls it."""
+                 postfix: dict[str, str]) -> bool:
+        """Log ``metrics`` (+ lr, skipped updates, peak and baseline memory over ranks, training seconds so far;
+        + ``evaluate`` every --eval_every steps and at the last step), advance the bar, save rank 0's sample grid
+        every --sample_every steps (and at step 1), checkpoint every --checkpointing_steps (and at the last step).
+        Returns True when this was the last step: --max_train_steps, or past --max_train_seconds (the trainer then
+        stops). A collective: every rank calls it."""
         from fastvideo.logging import peak_memory_gb, save_image_grid
         from fastvideo.seeding import rng_state
 
         args = self.args
+        now = time.perf_counter()
+        self.train_seconds += now - self.step_started
+        over_time = bool(args.max_train_seconds) and D.all_reduce_max(self.train_seconds) >= args.max_train_seconds
+        last = step == args.max_train_steps or over_time
+        eval_seconds = 0.0
+        if self.eval_dataset is not None and (last or (args.eval_every and step % args.eval_every == 0)):
+            metrics = {**metrics, **self.evaluate(step)}
+            eval_seconds = metrics["time_eval"]
         metrics = {**metrics, "lr": self.lr_scheduler.get_last_lr()[0], "skipped_updates": self.skipped_updates,
                    "peak_memory_gb": D.all_reduce_max(peak_memory_gb(self.device)),
-                   "memory_baseline_gb": D.all_reduce_max(self.memory_baseline)}
+                   "memory_baseline_gb": D.all_reduce_max(self.memory_baseline), "time_elapsed": self.train_seconds}
         self.logger.log(step, metrics)
         self.bar.update(1)
         self.bar.set_postfix(**{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
         if (images is not None and args.sample_every and (step % args.sample_every == 0 or step == 1)
                 and self.dist.is_main):
             save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")
-        if step % args.checkpointing_steps == 0 or step == args.max_train_steps:
+        if step % args.checkpointing_steps == 0 or last:
             save_state(args, step, self.policy, self.optimizer, self.lr_scheduler, extra={
                 "step": step, "skipped_updates": self.skipped_updates, "rng": D.all_gather_object(rng_state()),
-                "config": self.config, **{name: obj.state_dict() for name, obj in self.state.items()}})
+                "config": self.config, "train_seconds": self.train_seconds,
+                **{name: obj.state_dict() for name, obj in self.state.items()}})
+        if over_time and step < args.max_train_steps and self.dist.is_main:
+            print(f"stopping after step {step}: {self.train_seconds:.0f} s of training reached --max_train_seconds "
+                  f"{args.max_train_seconds:g}", flush=True)
+        end = time.perf_counter()
+        self.train_seconds += end - now - eval_seconds
+        self.step_started = end
+        return last
 
     def finish(self) -> Path:
         """Close the logger and bar, export OUT/final (a collective), print where everything is."""

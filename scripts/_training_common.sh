@@ -1,7 +1,12 @@
-# Sourced by the training launchers (finetune_flux_{grpo,dpo,nft}.sh): env defaults, the embedded demo's data, the
+# Sourced by the training launchers (finetune_flux_{grpo,dpo,nft}.sh): env defaults, the embedded demos' data, the
 # check for real embeddings, and the launch itself (torchrun, or one process for --dry_run). Not a launcher itself.
 PYTHON=${PYTHON:-python}
 DATA_DIR=${DATA_DIR:-data}
+DEMO=${DEMO:-toyworld}  # without MODEL_PATH: toyworld (prompt following on the toy world) | jpeg (tiny FLUX, JPEG size)
+case "$DEMO" in
+  toyworld|jpeg) ;;
+  *) echo "DEMO=$DEMO: choose DEMO=toyworld (default) or DEMO=jpeg" >&2; exit 1 ;;
+esac
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -18,6 +23,37 @@ demo_data() {
     DATA_DIR=$DATA_DIR DATA_JSON=$DATA_JSON NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) \
       bash scripts/preprocess_flux_embeddings.sh
   fi
+}
+
+# The toy-world default (no MODEL_PATH): the pretrained toy FLUX (from the shipped weights; TOY_PRETRAIN=1 trains it
+# from scratch, ~10 min), its train / held-out prompt files and their embeddings, each built in DATA_DIR if absent.
+# Sets MODEL, DATA_JSON (train prompts), EVAL_JSON (held-out prompts), NPROC_PER_NODE and TOY_ARGS (the flags every
+# toy-world demo shares: size, sampler, reward, evaluation on 128 held-out prompts).
+toy_data() {
+  MODEL=$DATA_DIR/toy-flux
+  NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+  if [ ! -f "$MODEL/model_index.json" ]; then
+    if [ "${TOY_PRETRAIN:-0}" = 1 ]; then
+      "$PYTHON" -m fastvideo.toyworld pretrain --out "$MODEL"
+    else
+      "$PYTHON" -m fastvideo.toyworld build --out "$MODEL"
+    fi
+  fi
+  local prompts=$DATA_DIR/toyworld-prompts split
+  if [ ! -f "$prompts/heldout.txt" ]; then
+    "$PYTHON" -m fastvideo.toyworld prompts --out "$prompts"
+  fi
+  for split in train heldout; do
+    if [ ! -f "$DATA_DIR/toyworld-$split/manifest.json" ]; then
+      MODEL_PATH=$MODEL PROMPT_FILE=$prompts/$split.txt DATA_JSON=$DATA_DIR/toyworld-$split/manifest.json \
+        NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) bash scripts/preprocess_flux_embeddings.sh \
+        --max_sequence_length 16
+    fi
+  done
+  DATA_JSON=${DATA_JSON:-$DATA_DIR/toyworld-train/manifest.json}
+  EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-heldout/manifest.json}
+  TOY_ARGS=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --eval_data_json_path "$EVAL_JSON"
+            --eval_max_prompts 128 --reward toyworld:1.0 --device cpu --h 64 --w 64 --sampling_steps 8 --shift 1)
 }
 
 # A real model (MODEL_PATH): its embeddings must exist (a plan does not need them).

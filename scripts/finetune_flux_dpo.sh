@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Diffusion-DPO post-training of FLUX, online (sample -> score -> best-vs-worst pairs) or offline (a pair file).
-#   bash scripts/finetune_flux_dpo.sh                  # embedded demo: tiny FLUX on the CPU, online DPO, ~3 minutes
+#   bash scripts/finetune_flux_dpo.sh                  # toy-world demo: online DPO for prompt following, CPU
+#   DEMO=jpeg bash scripts/finetune_flux_dpo.sh        # the tiny FLUX made JPEG-compressible, online DPO, ~3 minutes
 #   PREFERENCE_FILE=demo bash scripts/finetune_flux_dpo.sh   # demo, offline: pairs made from the tiny model's samples
+#                                                            # (JPEG reward, tiny FLUX)
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
 #     bash scripts/finetune_flux_dpo.sh [--flag value ...]   # online FLUX.1-dev recipe (8 GPUs); any flag overridable
 #   MODEL_PATH=... PREFERENCE_FILE=/data/pairs.jsonl bash scripts/finetune_flux_dpo.sh   # offline FLUX.1-dev
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
-#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE.
+#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE,
+#      DEMO (toyworld | jpeg), TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (held-out manifest).
 # Everything after the script name is passed to train_dpo.py and wins over the defaults below.
 # Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.
 # --dry_run prints the batch arithmetic and the per-rank memory plan for NPROC_PER_NODE x NNODES ranks and exits
@@ -16,9 +19,20 @@ cd "$(dirname "$0")/.."
 PREFERENCE_FILE=${PREFERENCE_FILE:-}
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
-if [ -z "${MODEL_PATH:-}" ]; then
-  # Embedded default: the tiny FLUX folder and its embeddings (built if absent), DPO on the CPU with a weight-free
-  # reward (JPEG compressibility). Settings chosen by measurement over seeds against an lr-0 control (README).
+if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ] && [ -z "$PREFERENCE_FILE" ]; then
+  # Toy-world default: online DPO of the pretrained toy FLUX (full fine-tune; best vs worst of each prompt's samples
+  # under the verifiable toyworld reward); held-out accuracy every 20 steps (eval_* metrics, samples/eval-step-*.png).
+  toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
+  OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-toyworld}
+  set -- "${TOY_ARGS[@]}" --output_dir "$OUTPUT_DIR" --sampler sde --sde_type flow_sde --eta 0.7 \
+    --num_generations 8 --prompts_per_step 8 --rollout_batch_size 64 --train_batch_size 8 --beta_dpo 200 \
+    --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 200 --eval_every 20 --sample_every 50 \
+    --checkpointing_steps 100 --checkpoints_total_limit 1 --seed 0 --resume_from latest "$@"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+elif [ -z "${MODEL_PATH:-}" ]; then
+  # DEMO=jpeg (and PREFERENCE_FILE=demo): the tiny FLUX folder and its embeddings (built if absent), DPO on the CPU
+  # with a weight-free reward (JPEG compressibility). Settings chosen by measurement over seeds against an lr-0
+  # control (README).
   demo_data  # MODEL, DATA_JSON, NPROC_PER_NODE; builds the tiny model and embeddings if absent
   COMMON=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --device cpu --h 64 --w 64
           --sampling_steps 8 --beta_dpo 200 --learning_rate 3e-4 --max_grad_norm 1.0 --seed 0)

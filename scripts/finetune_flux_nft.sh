@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # DiffusionNFT post-training of FLUX (train_nft.py): old-policy ODE rollouts -> reward -> forward-process NFT loss.
-#   bash scripts/finetune_flux_nft.sh                  # embedded demo: tiny FLUX on the CPU, a few minutes
+#   bash scripts/finetune_flux_nft.sh                  # toy-world demo: prompt following of the toy FLUX, CPU
+#   DEMO=jpeg bash scripts/finetune_flux_nft.sh        # the tiny FLUX made JPEG-compressible, CPU, a few minutes
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
 #     bash scripts/finetune_flux_nft.sh [--flag value ...]   # FLUX.1-dev recipe (8 GPUs); any flag overridable
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
-#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs).
+#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
+#      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (toy world: held-out embeddings manifest).
 # Everything after the script name is passed to train_nft.py and wins over the defaults below.
 # --resume_from latest is passed: re-running after a preemption continues from the newest checkpoint.
 # --dry_run prints the batch arithmetic and the per-rank memory plan for NPROC_PER_NODE x NNODES ranks and exits
@@ -13,8 +15,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
-if [ -z "${MODEL_PATH:-}" ]; then
-  # Embedded default: the tiny FLUX folder and its embeddings (built if absent), a full fine-tune on the CPU with a
+if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ]; then
+  # Toy-world default: DiffusionNFT of the pretrained toy FLUX (full fine-tune) on the training prompts with the
+  # verifiable toyworld reward; held-out accuracy evaluated every 15 steps (eval_* metrics, samples/eval-step-*.png).
+  toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
+  OUTPUT_DIR=${OUTPUT_DIR:-outputs/nft-toyworld}
+  set -- "${TOY_ARGS[@]}" --output_dir "$OUTPUT_DIR" --num_generations 8 --prompts_per_step 8 \
+    --rollout_batch_size 64 --train_batch_size 16 --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 150 \
+    --eval_every 15 --sample_every 50 --checkpointing_steps 75 --checkpoints_total_limit 1 --seed 0 \
+    --resume_from latest "$@"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+elif [ -z "${MODEL_PATH:-}" ]; then
+  # DEMO=jpeg: the tiny FLUX folder and its embeddings (built if absent), a full fine-tune on the CPU with a
   # weight-free reward (JPEG compressibility). Settings chosen by measurement over seeds against an lr-0 control
   # (README, "DiffusionNFT demo").
   demo_data  # MODEL, DATA_JSON, NPROC_PER_NODE; builds the tiny model and embeddings if absent

@@ -37,3 +37,22 @@ def hps_flags(tmp_path_factory) -> tuple[str, ...]:
     hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
     return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
             str(hps / TINY_CONFIG))
+
+
+@pytest.fixture(scope="session")
+def toy_world(tmp_path_factory) -> dict[str, Path]:
+    """The toy-world FLUX built from the shipped weights, and embeddings (16 T5 tokens) of every training prompt and
+    of the first 64 held-out prompts (a seeded random subset): ``{"model", "train", "heldout"}`` paths."""
+    from helpers import make_embeddings
+
+    from fastvideo.toyworld.__main__ import write_prompt_files
+    from fastvideo.toyworld.pretrain import build_from_shipped
+
+    root = tmp_path_factory.mktemp("toyworld")
+    model = build_from_shipped(root / "model")
+    files = write_prompt_files(root / "prompts")
+    out = {"model": model}
+    for split, n in (("train", 100_000), ("heldout", 64)):
+        (root / split).mkdir()
+        out[split] = make_embeddings(model, root / split, n, "--max_sequence_length", "16", prompt_file=files[split])
+    return out

@@ -30,10 +30,12 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 600, env: dic
     return proc
 
 
-def make_embeddings(model_dir: Path, out: Path, num_prompts: int, *extra: str) -> Path:
-    """Embeddings of the first ``num_prompts`` prompts of assets/prompts.txt for ``model_dir``; returns the manifest."""
+def make_embeddings(model_dir: Path, out: Path, num_prompts: int, *extra: str, prompt_file: Path | None = None) -> Path:
+    """Embeddings of the first ``num_prompts`` prompts of ``prompt_file`` (default assets/prompts.txt) for
+    ``model_dir``; returns the manifest."""
     prompts = out / "prompts.txt"
-    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:num_prompts]) + "\n")
+    lines = (prompt_file or REPO / "assets" / "prompts.txt").read_text().splitlines()[:num_prompts]
+    prompts.write_text("\n".join(lines) + "\n")
     subprocess.run([sys.executable, str(REPO / "preprocess_embeddings.py"), "--model_path", str(model_dir),
                     "--prompt_file", str(prompts), "--output_dir", str(out / "emb"), "--device", "cpu", *extra],
                    check=True, cwd=REPO, capture_output=True)

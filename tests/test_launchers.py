@@ -8,27 +8,72 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import REPO, free_port
 
+LAUNCHERS = ("scripts/finetune_flux_grpo.sh", "scripts/finetune_flux_dpo.sh", "scripts/finetune_flux_nft.sh")
 
-def test_grpo_launcher_builds_the_demo_and_trains(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"),
-           "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
+
+@pytest.fixture(scope="module")
+def demo_data_dir(tmp_path_factory) -> Path:
+    """One DATA_DIR for the demo launchers of this module: the first one builds the toy world (or the tiny FLUX) and
+    its embeddings there, the others reuse them, as a user's second demo would."""
+    return tmp_path_factory.mktemp("demo-data")
+
+
+def _demo_env(tmp_path: Path, data_dir: Path, out: str = "out", **extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(data_dir), "OUTPUT_DIR": str(tmp_path / out),
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2", **extra}
     env.pop("MODEL_PATH", None)
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
+    """The default demo: the toy FLUX (shipped weights), the prompt splits and their embeddings are built in DATA_DIR;
+    held-out accuracy is evaluated before step 1 and after the last step."""
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1",
+                           "--eval_max_prompts", "8"], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the embedded default was built where DATA_DIR points, not in the source tree
-    assert (tmp_path / "data" / "tiny-flux" / "model_index.json").is_file()
-    manifest = json.loads((tmp_path / "data" / "tiny-flux-embeddings" / "manifest.json").read_text())
+    assert (demo_data_dir / "toy-flux" / "toyworld.json").is_file()
+    for split, count in (("train", 1467), ("heldout", 1161)):
+        manifest = json.loads((demo_data_dir / f"toyworld-{split}" / "manifest.json").read_text())
+        assert manifest["num_prompts"] == count and manifest["max_sequence_length"] == 16
+    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # the appended flag won over the launcher's default
+    assert "eval_toyworld_strict" in rows[0] and "eval_toyworld_strict" in rows[2]
+    assert "eval_toyworld_strict" not in rows[1] and "reward_toyworld_strict" in rows[1]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["reward"] == "toyworld:1.0" and config["device"] == "cpu"
+    assert (tmp_path / "out" / "samples" / "eval-step-000000.png").is_file()
+    assert (tmp_path / "out" / "samples" / "eval-step-000002.png").is_file()
+    assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert "metrics: " in proc.stdout and "export: " in proc.stdout
+
+
+def test_grpo_launcher_jpeg_demo(tmp_path, demo_data_dir):
+    """DEMO=jpeg: the tiny FLUX made JPEG-compressible (the embedded default before the toy world)."""
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1"],
+                          cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="jpeg"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (demo_data_dir / "tiny-flux" / "model_index.json").is_file()
+    manifest = json.loads((demo_data_dir / "tiny-flux-embeddings" / "manifest.json").read_text())
     assert manifest["num_prompts"] == len([l for l in (REPO / "assets" / "prompts.txt").read_text().splitlines()
                                             if l.strip()])
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]  # the appended flag won over the launcher's default (250)
+    assert [r["step"] for r in rows] == [1, 2]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["reward"] == "jpeg_compressibility:1.0" and config["device"] == "cpu"
+    assert config["reward"] == "jpeg_compressibility:1.0" and config["eval_data_json_path"] is None
     assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
-    assert "metrics: " in proc.stdout and "export: " in proc.stdout
+
+
+def test_launchers_refuse_an_unknown_demo(tmp_path, demo_data_dir):
+    for script in LAUNCHERS:
+        proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="jpg"),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and "DEMO=toyworld (default) or DEMO=jpeg" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_grpo_launcher_with_model_path_needs_embeddings(tmp_path):
@@ -111,35 +156,31 @@ def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):
     assert args.reward == "hpsv2:1.0" and args.num_generations == 12, "offline must not pass online-only flags"
 
 
-def test_dpo_launcher_demo_online_and_offline(tmp_path):
-    """The DPO demo as a user runs it: online (tiny model and embeddings built in DATA_DIR), then offline on a pair
-    file made from the tiny model's own samples (PREFERENCE_FILE=demo)."""
-    base = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "2"}
-    base.pop("MODEL_PATH", None)
+def test_dpo_launcher_demo_online_and_offline(tmp_path, demo_data_dir):
+    """The DPO demo as a user runs it: online on the toy world (the default), then offline on a pair file made from
+    the tiny model's own samples (PREFERENCE_FILE=demo, JPEG reward)."""
     for mode in ("", "demo"):
-        env = {**base, "OUTPUT_DIR": str(tmp_path / f"out{mode}"), "MASTER_PORT": str(free_port()),
-               "PREFERENCE_FILE": mode}
-        proc = subprocess.run(["bash", "scripts/finetune_flux_dpo.sh", "--max_train_steps", "2"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
+        env = _demo_env(tmp_path, demo_data_dir, f"out{mode}", PREFERENCE_FILE=mode)
+        proc = subprocess.run(["bash", "scripts/finetune_flux_dpo.sh", "--max_train_steps", "2", "--eval_max_prompts",
+                               "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows = [json.loads(l) for l in (tmp_path / f"out{mode}" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+        train_rows = [r for r in rows if r["step"] > 0]
+        assert [r["step"] for r in train_rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in train_rows)
         assert (tmp_path / f"out{mode}" / "final" / "diffusion_pytorch_model.safetensors").is_file()
-        assert ("reward_mean" in rows[0]) == (mode == "")
-    pairs = (tmp_path / "data" / "tiny-flux-pairs" / "pairs.jsonl").read_text().splitlines()
+        assert ("reward_mean" in train_rows[0]) == (mode == "")
+        assert ("eval_toyworld_strict" in rows[-1]) == (mode == "")
+    pairs = (demo_data_dir / "tiny-flux-pairs" / "pairs.jsonl").read_text().splitlines()
     assert len(pairs) == 64 and (tmp_path / "outdemo" / "preference_latents" / "cache.json").is_file()
 
 
-def test_readme_second_demo_command_works_after_the_demo(tmp_path):
+def test_readme_second_demo_command_works_after_the_demo(tmp_path, demo_data_dir):
     """README: after the demo, `OUTPUT_DIR=... bash scripts/finetune_flux_grpo.sh --max_train_steps N --lora_rank 8`
     starts a new run; the same flags into the demo's OUTPUT_DIR are refused with a message naming OUTPUT_DIR."""
-    base = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "2"}
-    base.pop("MODEL_PATH", None)
-
     def launch(out: str, *flags: str) -> subprocess.CompletedProcess:
-        env = {**base, "OUTPUT_DIR": str(tmp_path / out), "MASTER_PORT": str(free_port())}
-        return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sample_every", "0", *flags], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sample_every", "0", "--eval_max_prompts",
+                               "4", *flags], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, out),
+                              capture_output=True, text=True, timeout=600)
 
     assert launch("demo", "--max_train_steps", "1").returncode == 0
     refused = launch("demo", "--max_train_steps", "1", "--lora_rank", "8")
@@ -196,19 +237,18 @@ def test_nft_flux_recipe_parses_to_its_cited_values(tmp_path):
     assert counts["optimizer_steps_per_rollout"] == 1
 
 
-def test_nft_launcher_demo_and_dry_run(tmp_path):
+def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     """The NFT demo as a user runs it (2 steps), and the recipe's memory plan on FLUX.1-dev configs: the LoRA recipe
     fits 80 GiB with the old adapter; a full fine-tune plans the second fp32 transformer."""
     from fastvideo.tiny import write_flux_dev_config
 
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "2",
-           "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port())}
-    env.pop("MODEL_PATH", None)
-    proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "2"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = _demo_env(tmp_path, demo_data_dir)
+    proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "2", "--eval_max_prompts", "8"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in rows[1:])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["reward"] == "toyworld:1.0"
     assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
 
     folder = write_flux_dev_config(tmp_path / "flux-dev")

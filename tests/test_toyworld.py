@@ -273,3 +273,13 @@ def test_toyworld_reward_errors():
     images[1, 0, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="'toyworld'.*'a blue square'.*NaN"):
         fn(images, ["a red circle", "a blue square"])
+
+
+def test_reward_prompt_check_names_bad_lines():
+    from fastvideo.rewards import check_reward_prompts
+
+    check_reward_prompts("toyworld:1.0", list(all_prompts()[:50]), "--data_json_path d")
+    check_reward_prompts("jpeg_compressibility:1.0", ["a cat"], "--data_json_path d")  # other rewards take anything
+    with pytest.raises(ValueError, match=r"--data_json_path d: .* 1 of 3 prompts are not \(line 2: 'a cat'\)"):
+        check_reward_prompts("jpeg_compressibility:0.5,toyworld:1.0", ["a red circle", "a cat", "two blue squares"],
+                             "--data_json_path d")

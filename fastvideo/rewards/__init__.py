@@ -41,6 +41,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
+# Rewards that score only some prompts: name -> (module, function(prompts) raising ValueError), run on the training and
+# evaluation prompts before any model loads.
+_PROMPT_CHECKS: dict[str, tuple[str, str]] = {"toyworld": ("fastvideo.rewards.toyworld", "check_prompts")}
+
 # Flags each reward requires, checked for every requested reward before any model is loaded.
 _REQUIRED_PATHS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "hpsv2": (("hps_checkpoint", "file", "HPS_v2_compressed.pt or HPS_v2.1_compressed.pt"),),
@@ -78,6 +82,18 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once")
         parsed.append((name, weight))
     return parsed
+
+
+def check_reward_prompts(spec: str, prompts: Sequence[str], source: str) -> None:
+    """Raise ValueError (naming ``source``, e.g. the manifest's flag) if a reward of ``spec`` cannot score some of
+    ``prompts`` (the toyworld reward reads only its grammar), so a run fails before loading models, not at step 1."""
+    for name, _ in parse_reward_spec(spec):
+        if name in _PROMPT_CHECKS:
+            module, function = _PROMPT_CHECKS[name]
+            try:
+                getattr(importlib.import_module(module), function)(prompts)
+            except ValueError as err:
+                raise ValueError(f"{source}: {err}") from None
 
 
 @dataclass

@@ -27,6 +27,22 @@ class ToyWorldScorer:
         return {key: torch.from_numpy(value).float() for key, value in scores.items()}
 
 
+def check_prompts(prompts: Sequence[str]) -> None:
+    """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers."""
+    from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
+
+    bad = []
+    for i, prompt in enumerate(prompts):
+        try:
+            parse_prompt(prompt)
+        except ValueError:
+            bad.append(f"line {i + 1}: {prompt!r}")
+    if bad:
+        raise ValueError(f"reward 'toyworld' scores toy-world prompts only, and {len(bad)} of {len(prompts)} prompts "
+                         f"are not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); train on the prompt files "
+                         f"of `python -m fastvideo.toyworld prompts` or follow the grammar: {GRAMMAR}")
+
+
 def build(device: torch.device, **_: object) -> ToyWorldScorer:
     """Registry factory for ``toyworld`` (CPU pixel analysis whatever ``device`` is; batches of 64 at 64 px take
     tens of milliseconds)."""

@@ -1,4 +1,6 @@
 """Toy world: generated scenes of coloured shapes and a verifiable prompt-following reward, for testing RL of
 text-to-image models on a CPU. ``scenes`` holds the world (grammar, split, renderer); ``verify`` scores an image
-against its prompt by pixel analysis (colour, shape, count, relative position). Submodules import nothing heavy
-beyond numpy and torch."""
+against its prompt by pixel analysis (colour, shape, count, relative position); ``pretrain`` trains the toy FLUX
+(VAE + transformer) on the scenes, whose default weights ship in ``weights/``; ``python -m fastvideo.toyworld``
+builds, pretrains, or writes the prompt splits. ``scenes`` and ``verify`` import nothing heavy beyond numpy and
+torch."""

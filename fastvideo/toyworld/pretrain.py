@@ -155,8 +155,9 @@ def build_transformer(cfg: PretrainConfig):
     from fastvideo.tiny import PRESETS
 
     p = PRESETS[TINY_PRESET]
-    rope = cfg.head_dim // 4
-    axes = (rope, (cfg.head_dim - rope) // 2, cfg.head_dim - rope - (cfg.head_dim - rope) // 2)
+    rope = 2 * (cfg.head_dim // 8)  # RoPE axes (index, row, column), each even: (4, 6, 6) for head_dim 16
+    rest = cfg.head_dim - rope
+    axes = (rope, 2 * (rest // 4), rest - 2 * (rest // 4))
     torch.manual_seed(derive_seed(cfg.seed, "toyworld-pretrain", "transformer-init"))
     return FluxTransformer2DModel(
         patch_size=1, in_channels=4 * cfg.latent_channels, num_layers=cfg.double_layers,

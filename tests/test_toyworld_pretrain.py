@@ -1,0 +1,111 @@
+"""The pretrained toy FLUX: deterministic pretraining, the shipped weights (loadable, accuracy band, reproduced by the
+script), the prompt files and the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO
+from safetensors.torch import load_file
+
+from fastvideo import flux
+from fastvideo.toyworld import scenes
+from fastvideo.toyworld.__main__ import write_prompt_files
+from fastvideo.toyworld.pretrain import (EVAL_FILE, INFO_FILE, SHIPPED, PretrainConfig, build_from_shipped,
+                                         evaluate, pretrain)
+
+SMALL = PretrainConfig(num_scenes=64, vae_steps=3, vae_batch=8, steps=3, batch=8, warmup=1, eval_prompts=4,
+                       sample_steps=2, heads=2, head_dim=8, double_layers=1, single_layers=1)
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    return {f"{part}/{k}": v for part in ("vae", "transformer")
+            for k, v in load_file(folder / part / "diffusion_pytorch_model.safetensors").items()}
+
+
+def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path):
+    from diffusers import FluxPipeline
+
+    a = pretrain(tmp_path / "a", SMALL, log=None)
+    b = pretrain(tmp_path / "b", SMALL, log=None)
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert json.loads((a / EVAL_FILE).read_text()) == json.loads((b / EVAL_FILE).read_text())
+    info = json.loads((a / INFO_FILE).read_text())
+    assert info["config"]["steps"] == 3 and info["recommended"]["max_sequence_length"] == SMALL.text_len
+    other = pretrain(tmp_path / "c", PretrainConfig(**{**SMALL.__dict__, "seed": 1}), log=None)
+    assert not torch.equal(_weights(other)["transformer/proj_out.weight"], wa["transformer/proj_out.weight"])
+
+    pipe = FluxPipeline.from_pretrained(a, local_files_only=True)
+    image = pipe("two red circles left of a blue square", height=64, width=64, num_inference_steps=2,
+                 max_sequence_length=16, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
+
+
+def test_pretrain_config_is_checked():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        PretrainConfig(size=60)
+    with pytest.raises(ValueError, match="steps must be >= 1|batch must be >= 1"):
+        PretrainConfig(batch=0)
+
+
+def test_shipped_model_follows_prompts_partially(tmp_path):
+    """Seeded: 128 train and 128 held-out prompts, ODE samples at the recommended settings, scored by the verifier."""
+    folder = build_from_shipped(tmp_path / "toy")
+    shipped_eval = json.loads((SHIPPED / EVAL_FILE).read_text())
+    info = json.loads((folder / INFO_FILE).read_text())
+    cfg = PretrainConfig(**info["config"])
+    transformer = flux.load_transformer(folder).eval()
+    vae = flux.load_vae(folder).eval()
+    encoders = flux.load_text_encoders(folder)
+    geometry = flux.latent_geometry(vae, cfg.size, cfg.size)
+    with torch.no_grad():
+        result = evaluate(transformer, vae, encoders, cfg, geometry, num_prompts=128)
+    for split in ("train", "heldout"):
+        r = result[split]
+        # chance (a valid scene of another prompt, README): score 0.25 / 0.28, colour 0.50, shape 0.21 / 0.27,
+        # count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
+        assert 0.38 < r["score"] < 0.7, (split, r)
+        assert r["color"] > 0.75 and r["count"] > 0.3 and r["position"] > 0.18, (split, r)
+        assert r["strict"] < 0.2, (split, r)
+    assert result["train"]["shape"] > 0.3, result  # learnt for seen colour-shape pairs (not for held-out ones)
+    assert result["train"]["score"] >= result["heldout"]["score"] - 0.05
+    # the shipped eval.json (256 prompts per split) agrees with this 128-prompt evaluation
+    for split in ("train", "heldout"):
+        assert abs(shipped_eval[split]["score"] - result[split]["score"]) < 0.05
+
+
+def test_prompt_files(tmp_path):
+    files = write_prompt_files(tmp_path)
+    train, heldout = (files[k].read_text().splitlines() for k in ("train", "heldout"))
+    ref_train, ref_heldout = scenes.split_prompts()
+    assert sorted(train) == ref_train and sorted(heldout) == ref_heldout
+    assert train != ref_train  # shuffled, so the first N lines are a uniform sample
+    assert write_prompt_files(tmp_path / "again")["heldout"].read_text() == files["heldout"].read_text()
+    assert write_prompt_files(tmp_path / "other", seed=1)["heldout"].read_text() != files["heldout"].read_text()
+
+
+def test_cli_refuses_a_non_empty_out(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "file").write_text("keep me")
+    proc = subprocess.run([sys.executable, "-m", "fastvideo.toyworld", "build", "--out", str(tmp_path / "x")],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "not empty" in proc.stderr
+    assert (tmp_path / "x" / "file").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_pretrain_reproduces_the_shipped_weights(tmp_path):
+    """The default config, with the thread count the shipped weights were made with, gives them bit for bit."""
+    info = json.loads((SHIPPED / INFO_FILE).read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": str(info["threads"])}
+    subprocess.run([sys.executable, "-m", "fastvideo.toyworld", "pretrain", "--out", str(tmp_path / "toy")],
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=3600)
+    made, shipped = _weights(tmp_path / "toy"), _weights(SHIPPED)
+    assert made.keys() == shipped.keys()
+    differ = [k for k in made if not torch.equal(made[k], shipped[k])]
+    assert not differ, f"{len(differ)} tensors differ from the shipped weights, e.g. {differ[:3]}"
