@@ -21,13 +21,13 @@ PREFERENCE_FILE=${PREFERENCE_FILE:-}
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ] && [ -z "$PREFERENCE_FILE" ]; then
   # Toy-world default: online DPO of the pretrained toy FLUX (full fine-tune; best vs worst of each prompt's samples
-  # under the verifiable toyworld reward); held-out accuracy every 20 steps (eval_* metrics, samples/eval-step-*.png).
+  # under the verifiable toyworld reward); held-out accuracy every 15 steps (eval_* metrics, samples/eval-step-*.png).
   toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-toyworld}
   set -- "${TOY_ARGS[@]}" --output_dir "$OUTPUT_DIR" --sampler sde --sde_type flow_sde --eta 0.7 \
     --num_generations 8 --prompts_per_step 8 --rollout_batch_size 64 --train_batch_size 8 --beta_dpo 200 \
-    --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 200 --eval_every 20 --sample_every 50 \
-    --checkpointing_steps 100 --checkpoints_total_limit 1 --seed 0 --resume_from latest "$@"
+    --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 150 --eval_every 15 --sample_every 50 \
+    --checkpointing_steps 75 --checkpoints_total_limit 1 --seed 0 --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 elif [ -z "${MODEL_PATH:-}" ]; then
   # DEMO=jpeg (and PREFERENCE_FILE=demo): the tiny FLUX folder and its embeddings (built if absent), DPO on the CPU

@@ -17,12 +17,12 @@ cd "$(dirname "$0")/.."
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ]; then
   # Toy-world default: DiffusionNFT of the pretrained toy FLUX (full fine-tune) on the training prompts with the
-  # verifiable toyworld reward; held-out accuracy evaluated every 15 steps (eval_* metrics, samples/eval-step-*.png).
+  # verifiable toyworld reward; held-out accuracy evaluated every 10 steps (eval_* metrics, samples/eval-step-*.png).
   toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/nft-toyworld}
   set -- "${TOY_ARGS[@]}" --output_dir "$OUTPUT_DIR" --num_generations 8 --prompts_per_step 8 \
-    --rollout_batch_size 64 --train_batch_size 16 --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 150 \
-    --eval_every 15 --sample_every 50 --checkpointing_steps 75 --checkpoints_total_limit 1 --seed 0 \
+    --rollout_batch_size 64 --train_batch_size 16 --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 40 \
+    --eval_every 10 --sample_every 20 --checkpointing_steps 20 --checkpoints_total_limit 1 --seed 0 \
     --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 elif [ -z "${MODEL_PATH:-}" ]; then

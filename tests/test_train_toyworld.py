@@ -50,17 +50,18 @@ def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_p
 
 @pytest.mark.slow
 def test_grpo_demo_raises_heldout_accuracy(tmp_path):
-    """The GRPO toy-world demo as a user runs it (200 steps, ~7 min): the held-out score (128 prompts) ends above
-    its step-0 value -- the lr-0 control's value at every step (test above) -- by a margin."""
+    """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2 min): the held-out score (128 prompts) ends
+    above its step-0 value -- the lr-0 control's value at every step (test above) -- by a margin (measured here:
+    0.422 -> 0.457)."""
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"),
            "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
     env.pop("MODEL_PATH", None)
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--no-progress_bar"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--no-progress_bar", "--max_train_steps", "40"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     evals = [r for r in _rows(tmp_path / "out") if "eval_toyworld" in r]
     start, end = evals[0], evals[-1]
-    assert start["step"] == 0 and end["step"] == 200
+    assert start["step"] == 0 and end["step"] == 40
     assert end["eval_toyworld"] - start["eval_toyworld"] > 0.02, [r["eval_toyworld"] for r in evals]
 
 
