@@ -45,7 +45,7 @@ def toy_world(tmp_path_factory) -> dict[str, Path]:
     of the first 64 held-out prompts (a seeded random subset): ``{"model", "train", "heldout"}`` paths."""
     from helpers import make_embeddings
 
-    from fastvideo.toyworld.__main__ import write_prompt_files
+    from fastvideo.toyworld.scenes import write_prompt_files
     from fastvideo.toyworld.pretrain import build_from_shipped
 
     root = tmp_path_factory.mktemp("toyworld")

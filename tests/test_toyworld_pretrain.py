@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fastvideo import flux
 from fastvideo.toyworld import scenes
-from fastvideo.toyworld.__main__ import write_prompt_files
+from fastvideo.toyworld.scenes import write_prompt_files
 from fastvideo.toyworld.pretrain import (EVAL_FILE, INFO_FILE, SHIPPED, PretrainConfig, build_from_shipped,
                                          evaluate, pretrain)
 

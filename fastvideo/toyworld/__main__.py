@@ -8,26 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastvideo.toyworld import scenes
-
-
-def write_prompt_files(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """Write ``train.txt`` and ``heldout.txt`` (one prompt a line) to ``out_dir``, each in a seeded random order so
-    that the first N lines are a uniform sample (``--eval_max_prompts N`` evaluates on them)."""
-    import torch
-
-    from fastvideo.seeding import derive_seed
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, prompts in zip(("train", "heldout"), scenes.split_prompts()):
-        g = torch.Generator().manual_seed(derive_seed(seed, "toyworld-prompt-order", name))
-        order = torch.randperm(len(prompts), generator=g).tolist()
-        path = out / f"{name}.txt"
-        path.write_text("".join(prompts[i] + "\n" for i in order))
-        paths[name] = path
-    return paths
+from fastvideo.toyworld.scenes import write_prompt_files
 
 
 def _pretrain_parser(sub: argparse._SubParsersAction) -> None:

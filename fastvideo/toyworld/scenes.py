@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -182,6 +183,21 @@ def split_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
     for prompt in all_prompts():
         (heldout if is_heldout(prompt) else train).append(prompt)
     return train, heldout
+
+
+def write_prompt_files(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Write ``train.txt`` and ``heldout.txt`` (one prompt a line) to ``out_dir``, each in a seeded random order so
+    that the first N lines are a uniform sample (``--eval_max_prompts N`` evaluates on them)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, prompts in zip(("train", "heldout"), split_prompts()):
+        g = torch.Generator().manual_seed(derive_seed(seed, "toyworld-prompt-order", name))
+        order = torch.randperm(len(prompts), generator=g).tolist()
+        path = out / f"{name}.txt"
+        path.write_text("".join(prompts[i] + "\n" for i in order))
+        paths[name] = path
+    return paths
 
 
 # ----------------------------------------------------------------------------------------------- layout + drawing
