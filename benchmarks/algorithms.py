@@ -57,6 +57,7 @@ TUNE_SEED = 100
 
 
 def run_dir(out: Path, algo: str, setting: str, seed: int) -> Path:
+    """Where a final run of (algorithm, setting, seed) lives."""
     return out / "runs" / f"{algo}-{setting}-seed{seed}"
 
 
@@ -112,6 +113,7 @@ def tune(algo: str, args: argparse.Namespace, train_eval: Path) -> dict[str, str
 
 
 def summarise(out: Path, algos: list[str], seeds: list[int]) -> dict:
+    """Per "algo/setting": its flags, every seed's curve, and start/end means (strict: also sd, min, max) over seeds."""
     summary: dict = {}
     for algo in algos:
         for setting in ("published", "tuned"):
@@ -137,6 +139,7 @@ def summarise(out: Path, algos: list[str], seeds: list[int]) -> dict:
 
 
 def write_table(summary: dict, path: Path, budget_s: float) -> str:
+    """The markdown table of ``summary`` (written to ``path`` and returned)."""
     lines = ["| algorithm | setting | steps | samples | held-out strict: start -> end (sd; min-max) | held-out score: "
              "start -> end | flags |", "|---|---|---|---|---|---|---|"]
     for key, r in summary.items():
@@ -152,6 +155,7 @@ def write_table(summary: dict, path: Path, budget_s: float) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
+    """2 x 2 PNG: held-out strict accuracy and score vs training seconds and vs samples, seed mean and min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
