@@ -136,6 +136,19 @@ def _hybrid_shape(world: int, hybrid_shard_size: int | None) -> tuple[int, int]:
     return world // shard, shard
 
 
+_ANNOUNCED: set[str] = set()
+
+
+def _announce_hybrid(fsdp_version: int, shape: tuple[int, int], mesh=None) -> None:
+    """Rank 0 prints the hybrid_full layout once per process (the mesh as built: which ranks replicate, which shard)."""
+    ranks = mesh.mesh.tolist() if mesh is not None else "NO_SHARD (one rank per shard group)"
+    line = (f"hybrid_full (FSDP{fsdp_version}): {shape[0]} replica(s) x {shape[1]} shard rank(s), "
+            f"mesh (replicate, shard) = {ranks}")
+    if distributed.is_main_process() and line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, flush=True)
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -203,7 +216,9 @@ def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_o
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if sharding_strategy == "hybrid_full":
-        mesh = distributed.device_mesh(_hybrid_shape(world, hybrid_shard_size), ("replicate", "shard"))
+        shape = _hybrid_shape(world, hybrid_shard_size)
+        mesh = distributed.device_mesh(shape, ("replicate", "shard"))
+        _announce_hybrid(2, shape, mesh)
     elif sharding_strategy == "no_shard":
         mesh = distributed.device_mesh((world, 1), ("replicate", "shard"))
     else:
@@ -240,8 +255,10 @@ def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_o
             # FSDP1's HYBRID_SHARD with one rank per shard group skips the cross-replica gradient all-reduce
             # (measured: wrong gradients); replicating everything is exactly what this layout means.
             strategy = ShardingStrategy.NO_SHARD
+            _announce_hybrid(1, shape)
         else:
             kwargs["device_mesh"] = distributed.device_mesh(shape, ("replicate", "shard"))
+            _announce_hybrid(1, shape, kwargs["device_mesh"])
     flags = {p.requires_grad for p in model.parameters()}
     if strategy == ShardingStrategy.NO_SHARD and flags == {True, False}:
         # Measured on torch 2.14: when training, NO_SHARD unregisters a fully frozen flat parameter's original
