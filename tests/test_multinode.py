@@ -13,22 +13,32 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from helpers import REPO, free_port, run_torchrun
 from test_train_grpo import common_args, comparable
 
 from fastvideo.logging import read_metrics
 
 # 2 full-fine-tune steps (one rollout each, 2 optimizer steps per rollout) and a checkpoint at the end
-FLAGS = ("--max_train_steps", "2", "--checkpointing_steps", "2", "--fsdp_version", "2",
-         "--fsdp_sharding_strategy", "hybrid_full", "--sample_every", "100")
-TWO_NODES_MESH = "hybrid_full (FSDP2): 2 replica(s) x 1 shard rank(s), mesh (replicate, shard) = [[0], [1]]"
-ONE_NODE_MESH = "hybrid_full (FSDP2): 1 replica(s) x 2 shard rank(s), mesh (replicate, shard) = [[0, 1]]"
-# With 2 ranks the gradient reduction is exact in both layouts (a + b, then / 2: an all-reduce of whole gradients
-# across the replicas vs a reduce-scatter of shards), so weights, rewards, losses and ratios match bit for bit. The grad
-# norm alone is summed differently (over whole tensors vs per shard, then all-reduced): measured 1.1e-7 relative
-# (~1 float32 ulp) at step 1 and exact at step 2. The norm stays under --max_grad_norm 1.0 (~0.03), so clipping,
+FLAGS = ("--max_train_steps", "2", "--checkpointing_steps", "2", "--fsdp_sharding_strategy", "hybrid_full",
+         "--sample_every", "100")
+MESHES = {  # what rank 0 prints when it builds the hybrid_full layout: (2 nodes x 1 process, 1 node x 2 processes)
+    2: ("hybrid_full (FSDP2): 2 replica(s) x 1 shard rank(s), mesh (replicate, shard) = [[0], [1]]",
+        "hybrid_full (FSDP2): 1 replica(s) x 2 shard rank(s), mesh (replicate, shard) = [[0, 1]]"),
+    1: ("hybrid_full (FSDP1): 2 replica(s) x 1 shard rank(s), mesh (replicate, shard) = NO_SHARD",
+        "hybrid_full (FSDP1): 1 replica(s) x 2 shard rank(s), mesh (replicate, shard) = [[0, 1]]"),
+}
+# FSDP2: with 2 ranks the gradient reduction is exact in both layouts (a + b, then / 2: an all-reduce of whole
+# gradients across the replicas vs a reduce-scatter of shards), so weights, rewards, losses and ratios match bit for
+# bit. The grad norm alone is summed differently (over whole tensors vs per shard, then all-reduced): measured 1.1e-7
+# relative (~1 float32 ulp) at step 1 and exact at step 2. It stays under --max_grad_norm 1.0 (~0.03), so clipping,
 # which would carry that ulp into the weights, does not engage.
 GRAD_NORM_RTOL = 1e-6
+# FSDP1 (NO_SHARD over 2 nodes vs HYBRID_SHARD over 2 local ranks): step 1 matches exactly, but ~1% of the weights
+# come out of the first update 1 float32 ulp apart (max 1.6e-7 absolute; not root-caused), so step 2 differs by up to
+# 6.4e-5 relative (adv_abs_max; rewards 2.5e-6, grad_norm 1.5e-5), measured. The smooth tiny-HPS reward keeps that
+# from flipping a ranking.
+FSDP1_RTOL = 1e-3
 
 
 def descendants(pid: int) -> list[int]:
@@ -100,29 +110,36 @@ def run_two_nodes(args: list[str], log_dir: Path, timeout: float = 300) -> list[
     return outputs
 
 
-def test_two_nodes_match_one_node(tiny_flux_dir, tiny_data, hps_flags, tmp_path):
+@pytest.mark.parametrize("version", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["fsdp2", "fsdp1"])
+def test_two_nodes_match_one_node(version, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
+    """Both launches exit 0, build the layout hybrid_full promises, and train the same numbers."""
     two, one = tmp_path / "two-nodes", tmp_path / "one-node"
-    outputs = run_two_nodes(common_args(tiny_flux_dir, tiny_data, two, *FLAGS, *hps_flags), tmp_path)
-    single = run_torchrun(common_args(tiny_flux_dir, tiny_data, one, *FLAGS, *hps_flags), nproc=2)
+    flags = (*FLAGS, "--fsdp_version", str(version), *hps_flags)
+    outputs = run_two_nodes(common_args(tiny_flux_dir, tiny_data, two, *flags), tmp_path)
+    single = run_torchrun(common_args(tiny_flux_dir, tiny_data, one, *flags), nproc=2)
 
     # the mesh as rank 0 built it (printed by whichever agent hosts rank 0)
-    assert sum(TWO_NODES_MESH in out for out in outputs) == 1, [out[-3000:] for out in outputs]
-    assert ONE_NODE_MESH in single.stdout and "2 replica(s)" not in single.stdout
+    two_nodes_mesh, one_node_mesh = MESHES[version]
+    assert sum(two_nodes_mesh in out for out in outputs) == 1, [out[-3000:] for out in outputs]
+    assert one_node_mesh in single.stdout and "2 replica(s)" not in single.stdout
 
-    # both nodes wrote their part of the checkpoint into the one shared output dir; the exports are identical
+    # both nodes wrote their part of the checkpoint into the one shared output dir
     for run in (two, one):
         state = run / "checkpoints" / "step-2" / "state"
         assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         assert (state / ".metadata").is_file()
     export = "final/diffusion_pytorch_model.safetensors"
-    assert (two / export).read_bytes() == (one / export).read_bytes()
+    if version == 2:
+        assert (two / export).read_bytes() == (one / export).read_bytes()
     rows_two, rows_one = read_metrics(two / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
     assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
     for a, b in zip(rows_two, rows_one):
         a, b = comparable(a), comparable(b)
         assert a.keys() == b.keys()
         for key in a:
-            if key == "grad_norm":
+            if version == 1 and isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=FSDP1_RTOL, abs=1e-6), (a["step"], key, a[key], b[key])
+            elif key == "grad_norm":
                 assert abs(a[key] - b[key]) <= GRAD_NORM_RTOL * abs(b[key]), (a["step"], a[key], b[key])
             else:
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
