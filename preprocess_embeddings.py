@@ -17,6 +17,7 @@ import torch
 
 from fastvideo import distributed
 from fastvideo.data import DEFAULT_SHARD_SIZE, DTYPES, EmbeddingWriter, StoreSpec, read_prompt_file
+from fastvideo.weights import check_weight_files
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- validate everything before any expensive work ---
     prompts = read_prompt_file(args.prompt_file)
     model_path = check_model_folder(args.model_path, TEXT_COMPONENTS).resolve()
+    for component in ("text_encoder", "text_encoder_2"):  # headers only: a corrupt file fails here, not mid-load
+        check_weight_files(model_path / component)
     spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=encoders_fingerprint(model_path),
                      max_sequence_length=args.max_sequence_length, dtype=args.dtype, shard_size=args.shard_size)
     writer = EmbeddingWriter(Path(args.output_dir), prompts, spec, prompt_file=str(Path(args.prompt_file).resolve()))

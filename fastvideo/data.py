@@ -22,6 +22,9 @@ Manifest (``format_version`` 1)::
      "prompt_embeds_shape": [T, D], "pooled_prompt_embeds_shape": [Dp], "prompt_file": str,
      "shards": [{"file": "shard-00000.safetensors", "first_id": 0, "num_prompts": n}, ...],
      "prompts": [{"id": 0, "prompt": str, "truncated": bool}, ...]}      # ids in prompt-file order
+
+The reader refuses a shard name that leaves OUT (absolute, ``..``, a symlink out) and checks every shard's header
+against the manifest (complete file, rows, tokens, dtype, encoders) before any tensor is read.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastvideo.weights import resolve_inside
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -309,23 +314,71 @@ class EmbeddingDataset:
                                     + _PREPROCESS_HINT.format(out=path.parent))
         self.manifest_path = path
         self.root = path.parent
-        self.manifest: dict[str, Any] = _read_json(path)
-        version = self.manifest.get("format_version")
+        try:
+            self.manifest: dict[str, Any] = _read_json(path)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-run preprocess_embeddings.py into a new "
+                             "--output_dir") from None
+        version = self.manifest.get("format_version") if isinstance(self.manifest, dict) else None
         if version != FORMAT_VERSION:
             raise ValueError(f"{path} has format_version {version!r} but this code reads version {FORMAT_VERSION}; "
                              "re-run preprocess_embeddings.py into a new --output_dir with this version of the code")
         self.prompts: list[str] = [p["prompt"] for p in self.manifest["prompts"]]
         if len(self.prompts) != self.manifest["num_prompts"]:
             raise ValueError(f"{path} is inconsistent (num_prompts != len(prompts)); re-run preprocess_embeddings.py")
-        self._shard_of: list[tuple[str, int]] = [("", 0)] * len(self.prompts)  # id -> (file, row)
+        self._shard_of: list[tuple[str, int] | None] = [None] * len(self.prompts)  # id -> (file, row)
         for shard in self.manifest["shards"]:
             file = shard["file"]
-            if not (self.root / file).is_file():
-                raise FileNotFoundError(f"shard {self.root / file} listed in {path} is missing; re-run "
+            full = resolve_inside(self.root, file, str(path))  # a manifest names files in its own folder only
+            if not full.is_file():
+                raise FileNotFoundError(f"shard {full} listed in {path} is missing; re-run "
                                         "preprocess_embeddings.py with the same --output_dir to rewrite it")
+            self._check_shard(full, shard)
             for row in range(shard["num_prompts"]):
-                self._shard_of[shard["first_id"] + row] = (file, row)
+                i = shard["first_id"] + row
+                if not 0 <= i < len(self.prompts) or self._shard_of[i] is not None:
+                    raise ValueError(f"{path} is inconsistent (shard {file} holds prompt id {i}, outside [0, "
+                                     f"{len(self.prompts)}) or also in another shard); re-run "
+                                     "preprocess_embeddings.py into a new --output_dir")
+                self._shard_of[i] = (file, row)
+        uncovered = [i for i, where in enumerate(self._shard_of) if where is None]
+        if uncovered:
+            raise ValueError(f"{path} lists no shard for prompt ids {uncovered[:5]}{'...' * (len(uncovered) > 5)}; "
+                             "re-run preprocess_embeddings.py with the same --output_dir")
         self._handles: dict[str, Any] = {}
+
+    def _check_shard(self, file: Path, shard: dict[str, Any]) -> None:
+        """Header-only check that ``file`` is the complete shard the manifest records (no tensor is read): ValueError
+        naming the file for a corrupt or truncated one, or one written by another preprocessing run."""
+        from fastvideo.weights import read_safetensors_header
+
+        header, _ = read_safetensors_header(file, "re-run preprocess_embeddings.py with the same --output_dir to "
+                                                  "rewrite it")
+        m, n = self.manifest, shard["num_prompts"]
+        meta = header.get("__metadata__") or {}
+        found: dict[str, Any] = {key: meta[key] for key in ("encoders_fingerprint", "max_sequence_length", "dtype",
+                                                            "first_id", "num_prompts") if key in meta}
+        expected: dict[str, Any] = {"encoders_fingerprint": m.get("encoders_fingerprint"),
+                                    "max_sequence_length": m["max_sequence_length"], "dtype": m["dtype"],
+                                    "first_id": shard["first_id"], "num_prompts": n}
+        tensors = {name: header.get(name) or {} for name in ("prompt_embeds", "pooled_prompt_embeds")}
+        found["prompt_embeds rows, tokens"] = tensors["prompt_embeds"].get("shape", [None, None])[:2]
+        expected["prompt_embeds rows, tokens"] = [n, m["max_sequence_length"]]
+        found["pooled_prompt_embeds rows"] = tensors["pooled_prompt_embeds"].get("shape", [None])[:1]
+        expected["pooled_prompt_embeds rows"] = [n]
+        for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            if m.get(f"{name}_shape"):
+                found[f"{name} row shape"] = tensors[name].get("shape", [None])[1:]
+                expected[f"{name} row shape"] = m[f"{name}_shape"]
+            found[f"{name} dtype"] = tensors[name].get("dtype")
+            expected[f"{name} dtype"] = {"fp32": "F32", "bf16": "BF16"}.get(m["dtype"], m["dtype"])
+        differ = [f"{key} {found[key]} (manifest: {expected[key]})" for key in found
+                  if str(found[key]) != str(expected[key])]
+        if differ:
+            raise ValueError(f"{file} is not the shard {self.manifest_path} records ({'; '.join(differ[:3])}): it "
+                             "is damaged or from another preprocessing run (another model or --max_sequence_length); "
+                             "re-run preprocess_embeddings.py into a new --output_dir, or delete the shard and re-run "
+                             "with the same one")
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -49,11 +49,50 @@ class TensorRecord:
         return n
 
 
-def _read_header(file: Path) -> dict[str, TensorRecord]:
+MODEL_FIX = "re-download the model (or re-save it with diffusers' save_pretrained(safe_serialization=True))"
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def read_safetensors_header(file: str | os.PathLike, fix: str = MODEL_FIX) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the byte offset of its tensor data, checked without reading any
+    tensor: ValueError naming ``file`` and ``fix`` for a file that is cut short, not safetensors, or whose data is
+    shorter than its header records (an interrupted download or copy)."""
+    file = Path(file)
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{file} is not a complete safetensors file ({why}): {fix}")
+
+    size = file.stat().st_size
     with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise bad(f"its header length {length} exceeds the file's {size} bytes")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not isinstance(entry.get("shape"), list) or "dtype" not in entry):
+            raise bad(f"tensor {name!r} has a malformed header entry")
+        end = max(end, offsets[1])
+    if 8 + length + end > size:
+        raise bad(f"truncated: its header records {8 + length + end} bytes but the file has {size}")
+    return header, 8 + length
+
+
+def _read_header(file: Path) -> dict[str, TensorRecord]:
+    header, base = read_safetensors_header(file)
     records = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -66,14 +105,35 @@ def _read_header(file: Path) -> dict[str, TensorRecord]:
     return records
 
 
+def resolve_inside(root: Path, value: object, source: str) -> Path:
+    """``root / value`` resolved, for a relative path read from the file ``source`` in ``root``; ValueError (naming
+    ``source`` and the entry) for a non-string, an absolute path or one that leaves ``root`` (``..``, a symlink)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{source}: entry {value!r} is not a file name; rewrite {source} (or re-create it)")
+    if Path(value).is_absolute():
+        raise ValueError(f"{source}: entry {value!r} is an absolute path; entries must be relative to "
+                         f"{Path(source).parent} and stay inside it: rewrite {source} (or re-create it)")
+    root = Path(root).resolve()
+    path = (root / value).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"{source}: entry {value!r} resolves to {path}, outside {root}; entries must stay inside "
+                         f"the file's folder: rewrite {source} (or re-create it)")
+    return path
+
+
 def safetensors_index(folder: str | os.PathLike) -> dict[str, TensorRecord]:
     """Every tensor of a diffusers component folder: one ``*.safetensors`` file, or the files its
-    ``*.safetensors.index.json`` names (FLUX.1-dev's transformer is three). Reads headers only."""
+    ``*.safetensors.index.json`` names (FLUX.1-dev's transformer is three; they must lie in ``folder``). Reads and
+    checks headers only (ValueError naming the file for a corrupt or truncated one)."""
     folder = Path(folder)
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        files = sorted({folder / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{indexes[0]} is not a safetensors index (JSON with a 'weight_map'): "
+                             f"{MODEL_FIX}") from None
+        files = sorted({resolve_inside(folder, f, str(indexes[0])) for f in weight_map.values()})
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -85,6 +145,15 @@ def safetensors_index(folder: str | os.PathLike) -> dict[str, TensorRecord]:
             raise FileNotFoundError(f"{file} is named by {indexes[0].name} but missing: re-download the model")
         records.update(_read_header(file))
     return records
+
+
+def check_weight_files(folder: str | os.PathLike) -> None:
+    """Header-check every ``*.safetensors`` file of a component folder (and the files its index names) before any
+    model is built: ValueError naming a corrupt or truncated file, FileNotFoundError for one the index names but
+    that is missing. A folder without safetensors passes (its loader reports that)."""
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors.index.json")) or any(folder.glob("*.safetensors")):
+        safetensors_index(folder)
 
 
 def read_flat(record: TensorRecord, start: int, stop: int) -> torch.Tensor:
