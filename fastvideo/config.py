@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -337,6 +338,23 @@ def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> N
                                 f"--prompt_file {prompts} --output_dir {data} first")
 
 
+def check_model_inputs(args: argparse.Namespace) -> None:
+    """What the model folder must hold for these flags, read from headers and configs only (no weights): the
+    transformer's and VAE's safetensors are complete (ValueError naming a corrupt or truncated file), and every
+    --lora_target_modules entry names a layer of the transformer (checked on a meta-device build). A component
+    folder that is absent is left to its loader."""
+    from fastvideo import weights
+
+    model = Path(args.pretrained_model_name_or_path)
+    for component in ("transformer", "vae"):
+        if (model / component).is_dir():
+            weights.check_weight_files(model / component)
+    if args.lora_rank > 0 and args.lora_target_modules and (model / "transformer" / "config.json").is_file():
+        from fastvideo import flux, lora
+
+        lora.check_target_modules(flux.build_transformer(model), args.lora_target_modules)
+
+
 def validate_common(args: argparse.Namespace) -> None:
     """Checks shared by all trainers: paths exist, numbers are in range."""
     _need(args.pretrained_model_name_or_path is not None,
@@ -362,6 +380,7 @@ def validate_common(args: argparse.Namespace) -> None:
           f"--lr_warmup_steps {args.lr_warmup_steps} does nothing with --lr_scheduler constant; use "
           "--lr_scheduler constant_with_warmup (the default) or drop --lr_warmup_steps")
     _need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
+    check_model_inputs(args)
     if hasattr(args, "gradient_sync"):
         from fastvideo.parallel import resolve_gradient_sync
 
@@ -448,21 +467,37 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     return _group_arithmetic(args, world_size, trained)
 
 
+def _divisors(n: int) -> str:
+    """``n``'s divisors as "1, 2, 3 or 6" (the values a flag that must divide ``n`` may take)."""
+    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
+
+
+def _ranks_fix(prompts_per_step: int, num_generations: int, world_size: int) -> str:
+    """The nearest --prompts_per_step (keeping --num_generations) whose samples split evenly over the ranks."""
+    step = world_size // math.gcd(num_generations, world_size)
+    fit = -(-prompts_per_step // step) * step
+    return f"e.g. --prompts_per_step {fit} (or a --num_generations that makes the product a multiple of {world_size})"
+
+
 def _group_arithmetic(args: argparse.Namespace, world_size: int, trained: int) -> dict[str, int]:
     """Batch arithmetic of a trainer that samples P x G images per step and trains each at ``trained`` timesteps in
     micro-batches of --train_batch_size (GRPO, NFT); ValueError for layouts that do not divide."""
     total = args.prompts_per_step * args.num_generations
     _need(total % world_size == 0,
           f"samples per step = --prompts_per_step ({args.prompts_per_step}) x --num_generations "
-          f"({args.num_generations}) = {total} must be divisible by the number of ranks ({world_size})")
+          f"({args.num_generations}) = {total} must be divisible by the number of ranks ({world_size}); "
+          f"{_ranks_fix(args.prompts_per_step, args.num_generations, world_size)}")
     local = total // world_size
     _need(local % args.train_batch_size == 0,
-          f"samples per rank ({local}) must be divisible by --train_batch_size ({args.train_batch_size})")
+          f"samples per rank ({local}) must be divisible by --train_batch_size ({args.train_batch_size}); use "
+          f"--train_batch_size {_divisors(local)}")
     micro_batches = local // args.train_batch_size
     accum = args.gradient_accumulation_steps or micro_batches
     _need(micro_batches % accum == 0,
           f"micro-batches per rank ({micro_batches} = {local} samples / --train_batch_size "
-          f"{args.train_batch_size}) must be divisible by --gradient_accumulation_steps ({accum})")
+          f"{args.train_batch_size}) must be divisible by --gradient_accumulation_steps ({accum}); use "
+          f"--gradient_accumulation_steps {_divisors(micro_batches)} (0 = all)")
     return {"prompts_per_step": args.prompts_per_step, "samples_per_step": total, "samples_per_rank": local,
             "trained_timesteps": trained, "micro_batches_per_rank": micro_batches,
             "gradient_accumulation_steps": accum, "optimizer_steps_per_rollout": micro_batches // accum,
@@ -503,7 +538,7 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
         _need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")
         _need(args.prompts_per_step % world_size == 0,
               f"--prompts_per_step {args.prompts_per_step} pairs per step must be divisible by the number of ranks "
-              f"({world_size})")
+              f"({world_size}); e.g. --prompts_per_step {-(-args.prompts_per_step // world_size) * world_size}")
         per_rank = args.prompts_per_step // world_size
         args.eta = 0.0  # sample grids of offline runs use the ODE sampler
         validate_sampling(args)
@@ -525,7 +560,8 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     total = args.prompts_per_step * args.num_generations
     _need(total % world_size == 0,
           f"samples per step = --prompts_per_step ({args.prompts_per_step}) x --num_generations "
-          f"({args.num_generations}) = {total} must be divisible by the number of ranks ({world_size})")
+          f"({args.num_generations}) = {total} must be divisible by the number of ranks ({world_size}); "
+          f"{_ranks_fix(args.prompts_per_step, args.num_generations, world_size)}")
     max_per_rank = -(-args.prompts_per_step // world_size)
     return {"prompts_per_step": args.prompts_per_step, "samples_per_step": total, "samples_per_rank": total // world_size,
             "pairs_per_step": args.prompts_per_step, "pairs_per_rank": max_per_rank,

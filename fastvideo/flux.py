@@ -297,11 +297,11 @@ def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeomet
     config = _vae_config(vae_or_config)
     factor = vae_scale_factor(config)
     multiple = 2 * factor
-    for name, value in (("height", height), ("width", width)):
+    for name, flag, value in (("height", "--h", height), ("width", "--w", width)):
         if int(value) != value or value < multiple or value % multiple:
             lower = max(multiple, int(value) // multiple * multiple)
-            raise ValueError(f"image {name} {value} must be a positive multiple of {multiple} (VAE scale factor "
-                             f"{factor} x 2x2 packing): use e.g. {lower} or {lower + multiple}")
+            raise ValueError(f"image {name} {value} ({flag}) must be a positive multiple of {multiple} (VAE scale "
+                             f"factor {factor} x 2x2 packing): pass e.g. {flag} {lower} or {lower + multiple}")
     return LatentGeometry(int(height), int(width), factor, int(_config_get(config, "latent_channels")))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,27 @@ DEFAULT_LORA_TARGET_MODULES: list[str] = [
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
 ]
+
+
+def check_target_modules(model: nn.Module, target_modules: list[str]) -> None:
+    """ValueError (listing module names that do exist) if a ``--lora_target_modules`` entry matches no linear layer of
+    ``model``; matched as peft matches a list: a module name equal to the entry or ending in ``.entry``. Works on a
+    meta-device model, so it runs before any weight is read."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    modules = dict(model.named_modules())
+    adapted = [name for name, module in modules.items() if isinstance(module, BaseTunerLayer)]  # a second adapter
+    linear = [name for name, module in modules.items() if name in adapted or (
+        isinstance(module, nn.Linear) and not any(name.startswith(f"{a}.") for a in adapted))]
+    unmatched = [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in linear)]
+    if not unmatched:
+        return
+    in_blocks = [re.sub(r"^\w*blocks\.\d+\.", "", n) for n in linear if re.match(r"^\w*blocks\.\d+\.", n)]
+    suffixes = list(dict.fromkeys(in_blocks + linear))  # block layers without "transformer_blocks.<i>." first
+    raise ValueError(f"--lora_target_modules {' '.join(unmatched)} match{'es' * (len(unmatched) == 1)} no linear "
+                     f"layer of {type(model).__name__}; pass names of layers that exist, e.g. "
+                     f"{' '.join(suffixes[:12])}{' ...' * (len(suffixes) > 12)} (or drop the flag for the default "
+                     f"{' '.join(DEFAULT_LORA_TARGET_MODULES[:4])} ...)")
 
 
 def add_lora(
@@ -68,6 +90,7 @@ def add_lora(
         raise ValueError(f"{type(transformer).__name__} has no add_adapter(); add_lora expects an unwrapped diffusers "
                          "model (call it before shard_model)")
     targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
+    check_target_modules(transformer, targets)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True)
     trainable_before = {n for n, p in transformer.named_parameters() if p.requires_grad}
     active_before = [(layer, layer._active_adapter) for layer in _tuner_layers(transformer)]
