@@ -163,6 +163,32 @@ def open_clip_config(model: str, flag: str, reward: str) -> dict:
     return copy.deepcopy(cfg)
 
 
+def unreadable_checkpoint(path: str | Path, flag: str, reward: str, err: BaseException) -> ValueError:
+    """The error for a reward checkpoint that torch.load (weights only) or safetensors cannot read."""
+    first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+    return ValueError(f"reward '{reward}': {flag} {str(path)!r} cannot be read as a weights-only checkpoint "
+                      f"({type(err).__name__}: {first}); re-download it (a truncated or corrupt file), or convert a "
+                      "pickled model object / TorchScript file to a plain state dict (.pt, .bin or .safetensors)")
+
+
+def read_checkpoint(path: str | Path, flag: str, reward: str) -> Any:
+    """A reward checkpoint's contents, read safely: safetensors, or ``torch.load(weights_only=True)`` (memory-mapped
+    where the file allows, so a second read costs little); ValueError naming ``flag`` and the fix if it cannot be."""
+    try:
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # files of the legacy (non-zip) format cannot be memory-mapped
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch.load/safetensors raise many kinds for a broken or foreign file
+        raise unreadable_checkpoint(path, flag, reward, err) from err
+
+
 def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, model_flag: str,
                    checkpoint_flag: str, reward: str) -> tuple[torch.nn.Module, Callable, dict]:
     """Build an open_clip CLIP from ``model`` (name or JSON), load ``checkpoint`` strictly, eval/no-grad on device.
@@ -183,10 +209,13 @@ def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, 
     if "timm_model_name" in cfg["vision_cfg"]:
         cfg["vision_cfg"]["timm_model_pretrained"] = False  # never download tower weights
     model_class = CustomTextCLIP if cfg.pop("custom_text", False) else CLIP
+    # Read it weights-only ourselves first: an unreadable file fails before the model is built, and open_clip's own
+    # read of it below then succeeds, so its fallback to an unrestricted torch.load (on a TypeError) never runs.
+    read_checkpoint(checkpoint, checkpoint_flag, reward)
     with torch.device(device):  # random init directly on the device (fast on GPU), then overwritten
         net = model_class(**cfg)
     try:
-        open_clip.load_checkpoint(net, str(checkpoint), strict=True)
+        open_clip.load_checkpoint(net, str(checkpoint), strict=True, weights_only=True)
     except RuntimeError as e:
         if "loading state_dict" not in str(e):
             raise

@@ -39,14 +39,20 @@ class AestheticMLP(nn.Module):
 
 def load_aesthetic_mlp(path: str | Path) -> AestheticMLP:
     """Load LAION's MLP state dict (plain, ``{'state_dict': ...}`` or Lightning-prefixed) into an eval MLP."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state)
+    from ._common import read_checkpoint
+
+    state = read_checkpoint(path, "--aesthetic_checkpoint", "aesthetic")
+    state = state.get("state_dict", state) if isinstance(state, dict) else {}
     state = {k.removeprefix("model.").removeprefix("module."): v for k, v in state.items()}
     if "layers.0.weight" not in state:
         raise ValueError(f"reward 'aesthetic': --aesthetic_checkpoint {str(path)!r} has no 'layers.0.weight'; "
                          f"expected LAION's sac+logos+ava1-l14-linearMSE.pth")
     mlp = AestheticMLP(int(state["layers.0.weight"].shape[1]))
-    mlp.load_state_dict(state, strict=True)
+    try:
+        mlp.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"reward 'aesthetic': --aesthetic_checkpoint {str(path)!r} does not fit LAION's aesthetic "
+                         f"MLP ({str(err).splitlines()[0][:200]}); pass sac+logos+ava1-l14-linearMSE.pth") from err
     return mlp.eval().requires_grad_(False)
 
 
