@@ -66,13 +66,18 @@ real_data() {
   fi
 }
 
-# launch TRAINER.py ARGS...: --dry_run plans for NPROC_PER_NODE x NNODES ranks in one process; else torchrun.
+# launch TRAINER.py ARGS...: --dry_run plans for NPROC_PER_NODE x NNODES ranks in one process; else torchrun (this
+# node's agent: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT). torchrun replaces the shell (exec), so a SIGTERM (Slurm,
+# kill) reaches it rather than ending a bash that would leave it behind; it forwards the signal to its workers, which
+# finish the current step, checkpoint and exit 0, and SIGKILLs them only after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
+# (SHUTDOWN_TIMEOUT, default 900; torchrun's own default, 30 s, is too short for a FLUX step and a checkpoint).
 launch() {
   local script=$1
   shift
   if [ "$DRY_RUN" = 1 ]; then
     exec "$PYTHON" "$script" --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
   fi
-  "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$script" "$@"
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-900}
+  exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$script" "$@"
 }

@@ -8,7 +8,10 @@
 #     bash scripts/finetune_flux_dpo.sh [--flag value ...]   # online FLUX.1-dev recipe (8 GPUs); any flag overridable
 #   MODEL_PATH=... PREFERENCE_FILE=/data/pairs.jsonl bash scripts/finetune_flux_dpo.sh   # offline FLUX.1-dev
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
-#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE,
+#      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
+#      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
+#      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
+#      PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE,
 #      DEMO (toyworld | jpeg), TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (held-out manifest).
 # Everything after the script name is passed to train_dpo.py and wins over the defaults below.
 # Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.

@@ -5,7 +5,10 @@
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
 #     bash scripts/finetune_flux_nft.sh [--flag value ...]   # FLUX.1-dev recipe (8 GPUs); any flag overridable
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
-#      NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
+#      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
+#      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
+#      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
+#      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
 #      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (toy world: held-out embeddings manifest).
 # Everything after the script name is passed to train_nft.py and wins over the defaults below.
 # --resume_from latest is passed: re-running after a preemption continues from the newest checkpoint.

@@ -1,0 +1,116 @@
+"""scripts/slurm_finetune_flux.sbatch outside Slurm: stub srun / scontrol / PYTHON show what each node would run and
+when the job requeues itself. No torchrun, no training: a second or two."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+
+SBATCH = "scripts/slurm_finetune_flux.sbatch"
+
+# srun: run the task once per node, SLURM_NODEID 0..N-1 (sequentially), as Slurm runs it once on each node
+SRUN = """#!/usr/bin/env bash
+[ "$1" = --nodes ] && [ "$3" = --ntasks-per-node ] && [ "$4" = 1 ] || { echo "srun stub: unexpected $*" >&2; exit 9; }
+nodes=$2; shift 4; status=0
+for ((node = 0; node < nodes; node++)); do SLURM_NODEID=$node "$@" || status=$?; done
+exit $status
+"""
+SCONTROL = """#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") [ "$3" = "gpu-a[01-02]" ] && printf 'gpu-a01\\ngpu-a02\\n' ;;
+  requeue*) echo "$2" >> "$STUB_DIR/requeued" ;;
+  *) echo "scontrol stub: unexpected $*" >&2; exit 9 ;;
+esac
+"""
+# PYTHON: records the torchrun command line and environment; STUB_OUTCOME says how the "training" ends
+PYTHON = """#!{python}
+import json, os, sys
+out = os.environ["OUTPUT_DIR"]
+with open(os.path.join(os.environ["STUB_DIR"], "calls.jsonl"), "a") as f:
+    f.write(json.dumps(dict(argv=sys.argv[1:], shutdown=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))) + "\\n")
+outcome = os.environ["STUB_OUTCOME"]
+if outcome == "finished":
+    os.makedirs(os.path.join(out, "final"), exist_ok=True)
+    open(os.path.join(out, "final", "training_args.json"), "w").close()
+if outcome == "stopped":  # SIGTERM: a checkpoint, then torchrun exits 1 although its workers exited 0
+    os.makedirs(os.path.join(out, "checkpoints", "step-7"), exist_ok=True)
+sys.exit(0 if outcome == "finished" else 1)
+"""
+
+
+def run_sbatch(tmp_path: Path, outcome: str, *args: str, **env_vars: str) -> tuple[subprocess.CompletedProcess, list]:
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("python", PYTHON.format(python=sys.executable))):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    manifest = tmp_path / "data" / "embeddings" / "manifest.json"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text("{}")
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": str(stubs / "python"),
+           "STUB_DIR": str(stubs), "STUB_OUTCOME": outcome, "MODEL_PATH": str(tmp_path / "FLUX.1-dev"),
+           "DATA_DIR": str(tmp_path / "data"), "OUTPUT_DIR": str(tmp_path / "run"), "SLURM_JOB_ID": "1234",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_SUBMIT_DIR": str(REPO),
+           **env_vars}
+    for key in ("SLURM_RESTART_COUNT", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "SHUTDOWN_TIMEOUT"):
+        if key not in env_vars:
+            env.pop(key, None)
+    script = tmp_path / "slurm_script"  # sbatch runs a copy of the file from its spool folder
+    script.write_text((REPO / SBATCH).read_text())
+    proc = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    calls_file = stubs / "calls.jsonl"
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()] if calls_file.exists() else []
+    return proc, calls
+
+
+def test_sbatch_parses():
+    subprocess.run(["bash", "-n", SBATCH], cwd=REPO, check=True)
+
+
+@pytest.mark.parametrize("launcher, trainer", [("scripts/finetune_flux_grpo.sh", "train_grpo_flux.py"),
+                                               ("scripts/finetune_flux_dpo.sh", "train_dpo.py"),
+                                               ("scripts/finetune_flux_nft.sh", "train_nft.py")])
+def test_every_node_runs_torchrun_with_its_rank(tmp_path, launcher, trainer):
+    proc, calls = run_sbatch(tmp_path, "finished", "--max_train_steps", "7", LAUNCHER=launcher)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(calls) == 2
+    for node_rank, call in enumerate(calls):
+        argv = call["argv"]
+        torchrun, train = argv[:argv.index(trainer)], argv[argv.index(trainer) + 1:]
+        assert torchrun == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
+                            "--nproc_per_node", "8", "--master_addr", "gpu-a01", "--master_port", "21234"]
+        assert call["shutdown"] == "900"
+        assert train[train.index("--output_dir") + 1] == str(tmp_path / "run")
+        assert train[train.index("--resume_from") + 1] == "latest"
+        assert train[-2:] == ["--max_train_steps", "7"]  # the user's flags come last and win
+    assert "finished:" in proc.stdout
+    assert not (tmp_path / "stubs" / "requeued").exists()
+
+
+def test_stopped_run_requeues_itself(tmp_path):
+    """A run stopped by the time-limit SIGTERM wrote a newer checkpoint (torchrun still exits 1): requeue."""
+    proc, calls = run_sbatch(tmp_path, "stopped", SHUTDOWN_TIMEOUT="1200", MASTER_PORT="29555")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "stubs" / "requeued").read_text().split() == ["1234"]
+    assert "stopped at step 7" in proc.stdout
+    assert {c["shutdown"] for c in calls} == {"1200"} and all("29555" in c["argv"] for c in calls)
+
+
+@pytest.mark.parametrize("outcome, env", [("crashed", {}), ("stopped", {"SLURM_RESTART_COUNT": "10"})],
+                         ids=["no-progress", "max-requeues"])
+def test_no_requeue_without_progress_or_past_the_limit(tmp_path, outcome, env):
+    proc, _ = run_sbatch(tmp_path, outcome, **env)
+    assert proc.returncode == 1 and "not requeued" in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "stubs" / "requeued").exists()
+
+
+def test_outside_slurm_refuses(tmp_path):
+    proc = subprocess.run(["bash", SBATCH], cwd=REPO, capture_output=True, text=True, timeout=30,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    assert proc.returncode != 0 and "submit with sbatch" in proc.stderr
