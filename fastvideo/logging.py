@@ -19,6 +19,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line, or None for a blank or torn one (a process killed mid-write)."""
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return None
+
+
 class MetricsLogger:
     """Appends one JSON line per step to ``OUT/metrics.jsonl`` (and mirrors to TB / W&B) on rank 0.
 
@@ -35,8 +43,8 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line in self.path.read_text(errors="replace").splitlines()
+                    if _step_of(line) is not None and _step_of(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None and self.path.exists():
             # a fresh run in a folder with a log but no checkpoint: keep the old log beside the new one
