@@ -79,8 +79,8 @@ def train(args: argparse.Namespace) -> None:
             x0_w, x0_l = all_latents[found.winner[mine]], all_latents[found.loser[mine]]  # (m, L, C) each
             pair_prompts = [samples.group_prompt_ids[g] for g in mine.tolist()]
             pair_keys = pair_prompts  # a prompt is in a step once: its id keys the pair's noise
-            metrics = {"reward_mean": all_rewards["total"].mean(),
-                       "reward_std": all_rewards["total"].std(unbiased=False),
+            finite = all_rewards["total"][all_rewards["total"].isfinite()]  # without dropped samples
+            metrics = {"reward_mean": finite.mean(), "reward_std": finite.std(unbiased=False),
                        **training.reward_metrics(all_rewards),
                        "reward_margin": found.gap[kept].mean() if len(kept) else 0.0,
                        "skipped_pairs": int((~found.keep).sum())}

@@ -60,6 +60,7 @@ def train(args: argparse.Namespace) -> None:
         # ---- 3. group advantages on the global batch -> optimality r ------------------------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
         advantages = nft_advantages(advantages, args.adv_mode, args.adv_clip_max)  # (B,) this rank's
+        keep = run.local(all_rewards["total"].isfinite())  # (B,) False: dropped for a non-finite reward
 
         # ---- 4. forward-process update: micro-batches x trained sigmas, loss in x0 space ---------------
         t0 = time.perf_counter()
@@ -89,7 +90,8 @@ def train(args: argparse.Namespace) -> None:
                             v_ref = model_velocity(ref_model, x_t, t, cond, **velocity)
                 v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
                 loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
-                                   adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta)
+                                   adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
+                                   keep=keep[idx].to(device))
                 run.set_gradient_sync(last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
                 (loss * scale).backward()
                 for name, value in (("loss", loss), ("policy_loss", m["policy_loss"]), ("kl", m["kl_loss"]),

@@ -27,7 +27,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
     e.g. a saturated reward) turns float noise into advantages of ~±1 to ±adv_clip_max; pass
     ``DANCE_GRPO_EPS`` to reproduce it. ``group_ids`` are any integer ids (prompt ids);
     the result does not depend on the order of the samples. Computed in float64; advantages are
-    returned in the rewards' float dtype (float32 for integer rewards).
+    returned in the rewards' float dtype (float32 for integer rewards). A non-finite reward marks a dropped sample
+    (``--nonfinite_reward drop``): it gets advantage 0 and every statistic is computed as if it were absent.
     Metrics: reward_mean, reward_std (population), adv_abs_mean, adv_clip_frac (fraction clamped),
     num_groups, zero_std_group_frac (groups whose rewards are all equal: they carry no signal),
     low_std_group_frac (groups whose normalising std is below ``eps``: eps, not the rewards, sets their scale).
@@ -44,15 +45,21 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
     if eps <= 0:
         raise ValueError(f"--adv_eps must be > 0, got {eps}")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    r = rewards.detach().to(torch.float64)
+    raw = rewards.detach().to(torch.float64)
+    valid = torch.isfinite(raw)
+    if not valid.any():
+        raise ValueError("group_advantages: every reward of the batch is non-finite (all samples dropped)")
+    r = torch.where(valid, raw, 0.0)
+    w = valid.to(torch.float64)
     _, inverse = torch.unique(group_ids.to(r.device), return_inverse=True)
     num_groups = int(inverse.max()) + 1
-    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    counts = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, w)
     sums = torch.zeros_like(counts).index_add_(0, inverse, r)
-    group_mean = sums / counts
-    centered = r - group_mean[inverse]
+    group_mean = sums / counts.clamp(min=1)
+    centered = (r - group_mean[inverse]) * w
+    mean = r.sum() / w.sum()
     if global_std:
-        std = (r - r.mean()).pow(2).mean().sqrt()
+        std = ((r - mean).pow(2) * w).sum().div(w.sum()).sqrt()
         denom = std + eps
         group_std = std.expand(num_groups)
     else:
@@ -62,16 +69,16 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, global_s
     adv = centered / denom
     clipped = adv.clamp(-adv_clip_max, adv_clip_max)
 
-    gmax = torch.full_like(counts, -torch.inf).scatter_reduce_(0, inverse, r, "amax")
-    gmin = torch.full_like(counts, torch.inf).scatter_reduce_(0, inverse, r, "amin")
+    gmax = torch.full_like(counts, -torch.inf).scatter_reduce_(0, inverse, torch.where(valid, r, -torch.inf), "amax")
+    gmin = torch.full_like(counts, torch.inf).scatter_reduce_(0, inverse, torch.where(valid, r, torch.inf), "amin")
     f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=r.device).detach()  # noqa: E731
     metrics = {
-        "reward_mean": f32(r.mean()),
-        "reward_std": f32((r - r.mean()).pow(2).mean().sqrt()),
-        "adv_abs_mean": f32(clipped.abs().mean()),
-        "adv_clip_frac": f32((adv.abs() > adv_clip_max).double().mean()),
+        "reward_mean": f32(mean),
+        "reward_std": f32(((r - mean).pow(2) * w).sum().div(w.sum()).sqrt()),
+        "adv_abs_mean": f32(clipped.abs()[valid].mean()),
+        "adv_clip_frac": f32((adv.abs() > adv_clip_max)[valid].double().mean()),
         "num_groups": f32(num_groups),
-        "zero_std_group_frac": f32((gmax == gmin).double().mean()),
+        "zero_std_group_frac": f32(((gmax == gmin) | (counts == 0)).double().mean()),
         "low_std_group_frac": f32((group_std < eps).double().mean()),
     }
     return clipped.to(out_dtype), metrics
@@ -91,16 +98,21 @@ class Pairs:
 def best_worst_pairs(rewards: torch.Tensor, num_generations: int, min_gap: float = 0.0) -> Pairs:
     """Pair the highest- with the lowest-reward sample of each group of the global batch ``rewards`` (P*G,), in
     [p0 g0..gG-1, p1 ...] order (REFERENCE §5). A pair is kept when its gap is > 0 and >= ``min_gap`` (equal
-    rewards carry no preference). Ties go to the first sample of the group."""
+    rewards carry no preference). Ties go to the first sample of the group. Non-finite rewards (dropped samples) are
+    never picked; a group with fewer than two finite rewards keeps no pair."""
     G = int(num_generations)
     if rewards.ndim != 1 or rewards.numel() % G or G < 2:
         raise ValueError(f"rewards must be (P*G,) with G = num_generations >= 2, got {tuple(rewards.shape)} and G={G}")
     grouped = rewards.detach().to(torch.float64).view(-1, G)  # (P, G)
+    valid = torch.isfinite(grouped)
     offsets = torch.arange(grouped.shape[0]) * G
-    best, worst = grouped.argmax(dim=1), grouped.argmin(dim=1)
-    gap = grouped.max(dim=1).values - grouped.min(dim=1).values
+    high = torch.where(valid, grouped, -torch.inf)
+    low = torch.where(valid, grouped, torch.inf)
+    best, worst = high.argmax(dim=1), low.argmin(dim=1)
+    enough = valid.sum(dim=1) >= 2
+    gap = torch.where(enough, high.max(dim=1).values - low.min(dim=1).values, 0.0)
     return Pairs(winner=offsets + best.cpu(), loser=offsets + worst.cpu(), gap=gap.to(torch.float32).cpu(),
-                 keep=((gap > 0) & (gap >= min_gap)).cpu())
+                 keep=(enough & (gap > 0) & (gap >= min_gap)).cpu())
 
 
 def share_pairs(num_pairs: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,6 +106,9 @@ class OptimOptions:
     train_batch_size: int = opt(4, "samples per replay micro-batch (per rank)")
     gradient_accumulation_steps: int = opt(
         0, "micro-batches per optimizer step (0 = all of a rank's samples -> one optimizer step per rollout)")
+    max_consecutive_skips: int = opt(
+        10, "stop with an error (after writing a checkpoint of the last good weights) when more than N updates in a "
+        "row were skipped for a non-finite loss or gradient (0 = never stop)")
     use_ema: bool = opt(False, "keep an EMA of the trained weights (sharded); exported instead of the raw weights")
     ema_decay: float = opt(0.995, "EMA decay per optimizer step (the upper bound of the warm-up)")
     ema_warmup: bool = opt(True, "EMA warm-up: the decay of update t is min(ema_decay, (1+t)/(10+t)) (Flow-GRPO); "
@@ -160,6 +163,10 @@ class RewardOptions:
     aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
     aesthetic_clip_checkpoint: str | None = opt(
         None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
+    nonfinite_reward: str = opt(
+        "error", "a NaN/inf reward: 'error' stops the run naming the reward and prompt; 'drop' drops the sample (its "
+        "group's advantages are computed without it, it trains nothing) and counts it (dropped_samples)",
+        choices=("error", "drop"))
     aesthetic_clip_model: str = opt("ViT-L-14-quickgelu", "open_clip architecture of --aesthetic_clip_checkpoint "
                                                           "(when it is an open_clip file)")
 
@@ -391,6 +398,8 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.checkpointing_steps >= 1, f"--checkpointing_steps must be >= 1, got {args.checkpointing_steps}")
     _need(args.checkpoints_total_limit is None or args.checkpoints_total_limit >= 1,
           f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
+    _need(args.max_consecutive_skips >= 0,
+          f"--max_consecutive_skips must be >= 0 (0 = never stop), got {args.max_consecutive_skips}")
     _need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
     _need(args.eval_every >= 0, f"--eval_every must be >= 0 (0 = first and last step only), got {args.eval_every}")
     _need(args.eval_max_prompts >= 0, f"--eval_max_prompts must be >= 0 (0 = all), got {args.eval_max_prompts}")
@@ -507,6 +516,7 @@ def _group_arithmetic(args: argparse.Namespace, world_size: int, trained: int) -
 def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the GRPO trainer's flags (validation happens in ``validate_grpo``)."""
     parser = build_parser(GRPO_GROUPS, "GRPO post-training of a FLUX transformer (torchrun + FSDP).")
+    parser.set_defaults(algorithm="grpo")  # recorded in config.json and every checkpoint's meta.json
     return parser.parse_args(argv)
 
 
@@ -573,6 +583,7 @@ def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the DPO trainer's flags (validation happens in ``validate_dpo``)."""
     parser = build_parser(DPO_GROUPS, "Online or offline Diffusion-DPO of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
+    parser.set_defaults(algorithm="dpo")  # recorded in config.json and every checkpoint's meta.json
     return parser.parse_args(argv)
 
 
@@ -615,4 +626,5 @@ def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the DiffusionNFT trainer's flags (validation happens in ``validate_nft``)."""
     parser = build_parser(NFT_GROUPS, "DiffusionNFT post-training of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
+    parser.set_defaults(algorithm="nft")  # recorded in config.json and every checkpoint's meta.json
     return parser.parse_args(argv)

@@ -166,7 +166,7 @@ def nft_advantages(advantages: torch.Tensor, mode: str, adv_clip_max: float = 5.
 
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
              t: torch.Tensor | float, advantages: torch.Tensor, *, beta: float = 1.0, adv_clip_max: float = 5.0,
-             v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
+             v_ref: torch.Tensor | None = None, kl_beta: float = 0.0, keep: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's forward-process objective (REFERENCE §6).
 
@@ -174,8 +174,10 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     ``x0± = x_t - t v±``; ``L± = mean_dims((x0± - x0)²) / w±`` with the stop-gradient adaptive weight
     ``w± = clamp(mean_dims|x0± - x0|, min=1e-5)``; ``policy = mean((r L⁺ + (1-r) L⁻)/beta) * adv_clip_max``
     with ``r = nft_optimality(A)``; ``loss = policy + kl_beta * mean((v_theta - v_ref)²)`` when ``v_ref``
-    is given. ``t`` is a float, 0-d or (B,). Metrics: policy_loss, kl_loss, optimality_mean,
-    positive_loss, negative_loss, weight_pos, weight_neg (means over the batch).
+    is given. ``t`` is a float, 0-d or (B,). ``keep`` (B,) bool: samples to train on (a dropped sample, e.g. of a
+    non-finite reward, adds exactly 0 to the loss and its gradient; the batch mean still divides by B).
+    Metrics: policy_loss, kl_loss, optimality_mean, positive_loss, negative_loss, weight_pos, weight_neg (means over
+    the batch).
     """
     if beta <= 0:
         raise ValueError(f"beta (the NFT mixing coefficient) must be > 0, got {beta}")
@@ -184,7 +186,8 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     xt = x_t.detach().to(torch.float32)
     x0f = x0.detach().to(torch.float32)
     tt = _per_sample(t, xt)
-    r = nft_optimality(advantages, adv_clip_max).to(xt.device)
+    r = nft_optimality(torch.nan_to_num(advantages.detach().float(), nan=0.0), adv_clip_max).to(xt.device)
+    mask = (lambda x: x) if keep is None else (lambda x: torch.where(keep.to(x.device), x, 0.0))  # noqa: E731
 
     v_pos = beta * vt + (1 - beta) * vo
     v_neg = (1 + beta) * vo - beta * vt
@@ -195,11 +198,11 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
         w_neg = _mean_dims((x0_neg - x0f).abs()).clamp(min=1e-5)
     l_pos = _mean_dims((x0_pos - x0f).pow(2)) / w_pos
     l_neg = _mean_dims((x0_neg - x0f).pow(2)) / w_neg
-    policy = ((r * l_pos + (1 - r) * l_neg) / beta).mean() * adv_clip_max
+    policy = mask((r * l_pos + (1 - r) * l_neg) / beta).mean() * adv_clip_max
     loss = policy
     kl = torch.zeros((), dtype=torch.float32, device=xt.device)
     if v_ref is not None:
-        kl = _mean_dims((vt - v_ref.detach().to(torch.float32)).pow(2)).mean()
+        kl = mask(_mean_dims((vt - v_ref.detach().to(torch.float32)).pow(2))).mean()
         loss = loss + kl_beta * kl
     metrics = {
         "policy_loss": _d(policy),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import flux, lora, parallel, weights
+from fastvideo import flux, lora, parallel, preemption, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -186,9 +187,10 @@ def run_main(args: argparse.Namespace, validate: Callable[[argparse.Namespace, i
 
 def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]) -> None:
     """Run ``train(args)`` in the process group torchrun describes (world size 1 without torchrun); an error on one
-    rank ends every rank within seconds, with its message (``distributed.fail_fast``)."""
+    rank ends every rank within seconds, with its message (``distributed.fail_fast``); SIGTERM/SIGINT end the run
+    after the current step with a checkpoint (``preemption``)."""
     D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
-    with D.fail_fast():
+    with preemption.stop_on_signals(), D.fail_fast():
         train(args)
     D.cleanup()
 
@@ -262,7 +264,7 @@ def resolve_resume(args: argparse.Namespace) -> Path | None:
 
 
 # Flags a resumed run must share with the checkpoint's run, or it would not continue the same run.
-RESUME_KEYS = ("pretrained_model_name_or_path", "lora_rank", "lora_alpha", "lora_target_modules", "seed",
+RESUME_KEYS = ("algorithm", "pretrained_model_name_or_path", "lora_rank", "lora_alpha", "lora_target_modules", "seed",
                "num_generations", "prompts_per_step", "sampling_steps", "sde_type", "eta", "shift", "h", "w",
                "guidance_scale", "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step",
                "timestep_fraction", "clip_range", "adv_clip_max", "global_std", "adv_eps", "kl_beta", "reward",
@@ -291,6 +293,46 @@ def check_resume_step(resume_dir: Path, max_train_steps: int) -> int:
     return step
 
 
+def resume_keys(config: dict) -> tuple[str, ...]:
+    """The flags a resumed run must share with its checkpoint: ``RESUME_KEYS``, and --max_train_steps under a cosine
+    schedule (its length)."""
+    return RESUME_KEYS + (("max_train_steps",) if config.get("lr_scheduler") == "cosine" else ())
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, paths strings)."""
+    return json.loads(json.dumps(list(value) if isinstance(value, tuple) else value, default=str))
+
+
+def run_identity(config: dict) -> dict:
+    """What a checkpoint's meta.json records of its run: the algorithm, the run-defining flags (``resume_keys``) and
+    their fingerprint (SHA-256 of their JSON)."""
+    import hashlib
+
+    flags = {k: _json_value(config.get(k)) for k in resume_keys(config)}
+    digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()
+    return {"algorithm": config.get("algorithm"), "config_fingerprint": digest, "run_flags": flags}
+
+
+def check_resume_checkpoint(resume_dir: Path, config: dict) -> None:
+    """Before anything loads: ``resume_dir`` is a complete, undamaged checkpoint (FileNotFoundError / ValueError
+    otherwise), written by this trainer's algorithm with the same run-defining flags (its fingerprint, then the
+    flags themselves for the message; checkpoints of format 1 carry none: the run's config.json is compared)."""
+    meta = ckpt.read_meta(resume_dir)
+    algorithm, mine = meta.get("algorithm"), config.get("algorithm")
+    if algorithm is not None and mine is not None and algorithm != mine:
+        script = {"grpo": "train_grpo_flux.py", "dpo": "train_dpo.py", "nft": "train_nft.py"}
+        raise ValueError(f"{resume_dir} is a {algorithm.upper()} checkpoint but this is the {mine.upper()} trainer: "
+                         f"resume it with {script.get(algorithm, algorithm)}, or start a new --output_dir")
+    if "config_fingerprint" not in meta:
+        check_resume_config(config, saved_run_config(resume_dir))
+        return
+    if meta["config_fingerprint"] != run_identity(config)["config_fingerprint"]:
+        check_resume_config(config, meta.get("run_flags"))
+        raise ValueError(f"cannot resume {resume_dir}: its config fingerprint differs from this run's (the flags "
+                         "that define a run changed); use the original flags, or a new --output_dir")
+
+
 def check_resume_config(config: dict, saved: dict | None) -> None:
     """Refuse to resume a checkpoint made with different run-defining flags (a silent mismatch loses work).
 
@@ -299,11 +341,8 @@ def check_resume_config(config: dict, saved: dict | None) -> None:
     """
     if not saved:
         return
-    keys = RESUME_KEYS + (("max_train_steps",) if config.get("lr_scheduler") == "cosine" else ())
-    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731  (JSON turns tuples into lists)
-    diffs = {k: (saved.get(k), config.get(k)) for k in keys
-             if k in saved and json.loads(json.dumps(norm(saved.get(k)), default=str)) !=
-             json.loads(json.dumps(norm(config.get(k)), default=str))}
+    diffs = {k: (saved.get(k), config.get(k)) for k in resume_keys(config)
+             if k in saved and _json_value(saved.get(k)) != _json_value(config.get(k))}
     if diffs:
         text = "; ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
         raise ValueError(f"cannot resume: flags differ from the checkpoint's run ({text}); use the original "
@@ -318,13 +357,15 @@ def run_config(args: argparse.Namespace, counts: dict[str, int]) -> dict:
     return {**vars(args), "batch_arithmetic": arithmetic}
 
 
-def save_state(args: argparse.Namespace, step: int, policy: Policy, optimizer, lr_scheduler, extra: dict) -> Path:
-    """Write OUT/checkpoints/step-N atomically and prune old ones."""
-    path = Path(args.output_dir) / "checkpoints" / f"step-{step}"
+def save_state(args: argparse.Namespace, step: int, policy: Policy, optimizer, lr_scheduler, extra: dict,
+               manifest: dict | None = None, resumed_from: Path | None = None) -> Path:
+    """Write OUT/checkpoints/step-N atomically (``manifest``: more meta.json entries) and prune old ones, never the
+    one just written nor ``resumed_from``."""
+    path = ckpt.checkpoint_path(args.output_dir, step)
     ckpt.save_checkpoint(path, model=policy.model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                         extra=extra, ema=policy.ema, shadows=policy.shadows())
+                         extra=extra, ema=policy.ema, shadows=policy.shadows(), manifest=manifest)
     if args.checkpoints_total_limit:
-        ckpt.prune_checkpoints(args.output_dir, args.checkpoints_total_limit)
+        ckpt.prune_checkpoints(args.output_dir, args.checkpoints_total_limit, protect=(path, resumed_from))
     return path
 
 
@@ -399,6 +440,9 @@ class Run:
     eval_dataset: Any = None  # EmbeddingDataset of --eval_data_json_path
     train_seconds: float = 0.0  # wall-clock of training steps so far (evaluation excluded; resumed from checkpoints)
     step_started: float = 0.0
+    consecutive_skips: int = 0  # updates skipped in a row (non-finite gradient norm); see --max_consecutive_skips
+    dropped_samples: int = 0  # samples dropped for a non-finite reward so far (--nonfinite_reward drop)
+    preempted: tuple[int, str] | None = None  # (step, signal) when a stop signal ended the run early
 
     @property
     def device(self) -> torch.device:
@@ -481,6 +525,8 @@ class Run:
             extra = load_state(self.resume_dir, self.policy, self.optimizer, self.lr_scheduler)
             self.start_step, self.skipped_updates = extra["step"], extra["skipped_updates"]
             self.train_seconds = extra.get("train_seconds", 0.0)
+            self.consecutive_skips = extra.get("consecutive_skips", 0)
+            self.dropped_samples = extra.get("dropped_samples", 0)
             for name, obj in self.state.items():
                 obj.load_state_dict(extra[name])
             set_rng_state(extra["rng"][rank] if rank < len(extra["rng"]) else extra["rng"][0])
@@ -523,7 +569,7 @@ class Run:
                        autocast_dtype=self.amp_dtype, keep_latents=False)
         model.train(was_training)
         rewards, _ = self.score(traj.images, batch["prompts"])  # gathered in prompt order; entries >= n are padding
-        metrics = {("eval_total" if k == "total" else f"eval_{k}"): float(v[:n].mean()) for k, v in rewards.items()}
+        metrics = {("eval_total" if k == "total" else f"eval_{k}"): float(v[:n].nanmean()) for k, v in rewards.items()}
         if dist.is_main:
             save_image_grid(traj.images[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
         metrics["time_eval"] = time.perf_counter() - t0
@@ -536,7 +582,37 @@ class Run:
         rewards = self.reward_fn(images, prompts)
         seconds = time.perf_counter() - t0
         stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
-        return dict(zip(rewards, D.all_gather_tensor(stacked).unbind(dim=1))), seconds
+        gathered = D.all_gather_tensor(stacked)
+        bad = ~torch.isfinite(gathered).all(dim=1)  # the same on every rank
+        if bad.any():
+            gathered = self._nonfinite_rewards(gathered, bad, list(rewards), prompts)
+        return dict(zip(rewards, gathered.unbind(dim=1))), seconds
+
+    def _nonfinite_rewards(self, gathered: torch.Tensor, bad: torch.Tensor, names: list[str], prompts: list[str]
+                           ) -> torch.Tensor:
+        """--nonfinite_reward error: raise (on every rank alike) naming the reward and the prompt; drop: set every
+        component of those samples to NaN (advantages, pairs and metrics then leave them out) and count them."""
+        all_prompts = [p for per_rank in D.all_gather_object(list(prompts)) for p in per_rank]
+        first = int(bad.nonzero()[0])
+        culprits = [n for n, v in zip(names, gathered[first].tolist()) if not math.isfinite(v)]
+        name = next((n for n in culprits if n != "total"), culprits[0])
+        value = gathered[first, names.index(name)].item()
+        if self.args.nonfinite_reward == "error":
+            raise ValueError(f"reward {name!r} returned {value} for prompt {all_prompts[first]!r} ({int(bad.sum())} of "
+                             f"{len(bad)} samples non-finite); fix the reward (its checkpoint, input range or dtype) "
+                             "or pass --nonfinite_reward drop to drop such samples and go on")
+        self.dropped_samples += int(bad.sum())
+        if self.dist.is_main:
+            print(f"warning: dropped {int(bad.sum())} sample(s) with a non-finite reward (e.g. {name!r} = {value} for "
+                  f"prompt {all_prompts[first]!r}); {self.dropped_samples} so far", flush=True)
+        gathered = gathered.clone()
+        gathered[bad] = float("nan")
+        return gathered
+
+    def local(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's equal slice of a gathered per-sample tensor (e.g. rewards in global sample order)."""
+        n = len(values) // self.dist.world_size
+        return values[self.dist.rank * n:(self.dist.rank + 1) * n]
 
     def advantages(self, rewards: torch.Tensor, samples: Any, prompt_ids: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -560,7 +636,8 @@ class Run:
 
     def optimizer_step(self) -> float:
         """Clip the gradient norm, step optimizer + schedule + EMA (skipped, and counted, when the norm is not
-        finite), zero the gradients; returns the norm before clipping."""
+        finite: a NaN/inf loss or gradient; ``end_step`` stops the run after more than --max_consecutive_skips in a
+        row), zero the gradients; returns the norm before clipping."""
         import math
 
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
@@ -570,8 +647,10 @@ class Run:
             self.lr_scheduler.step()
             if self.policy.ema is not None:
                 self.policy.ema.update()
+            self.consecutive_skips = 0
         else:
             self.skipped_updates += 1
+            self.consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
@@ -580,35 +659,55 @@ class Run:
         """Log ``metrics`` (+ lr, skipped updates, peak and baseline memory over ranks, training seconds so far;
         + ``evaluate`` every --eval_every steps and at the last step), advance the bar, save rank 0's sample grid
         every --sample_every steps (and at step 1), checkpoint every --checkpointing_steps (and at the last step).
-        Returns True when this was the last step: --max_train_steps, or past --max_train_seconds (the trainer then
-        stops). A collective: every rank calls it."""
+        Returns True when this was the last step: --max_train_steps, past --max_train_seconds, or a stop signal
+        (SIGTERM/SIGINT on any rank: checkpoint now, no evaluation; ``finish`` then skips the export). Raises after
+        writing the checkpoint when more than --max_consecutive_skips updates in a row were skipped. A collective:
+        every rank calls it, and every rank takes the same decisions (one gather of the ranks' clocks and signals).
+        """
         from fastvideo.logging import peak_memory_gb, save_image_grid
         from fastvideo.seeding import rng_state
 
         args = self.args
         now = time.perf_counter()
         self.train_seconds += now - self.step_started
-        over_time = bool(args.max_train_seconds) and D.all_reduce_max(self.train_seconds) >= args.max_train_seconds
-        last = step == args.max_train_steps or over_time
+        seconds, signals = zip(*D.all_gather_object((self.train_seconds, preemption.requested())))
+        over_time = bool(args.max_train_seconds) and max(seconds) >= args.max_train_seconds
+        stop_signal = next((sig for sig in signals if sig), None)
+        preempted = stop_signal is not None and step < args.max_train_steps
+        too_many_skips = bool(args.max_consecutive_skips) and self.consecutive_skips > args.max_consecutive_skips
+        last = step == args.max_train_steps or over_time or preempted
         eval_seconds = 0.0
-        if self.eval_dataset is not None and (last or (args.eval_every and step % args.eval_every == 0)):
+        if self.eval_dataset is not None and not preempted and (
+                last or (args.eval_every and step % args.eval_every == 0)):
             metrics = {**metrics, **self.evaluate(step)}
             eval_seconds = metrics["time_eval"]
         metrics = {**metrics, "lr": self.lr_scheduler.get_last_lr()[0], "skipped_updates": self.skipped_updates,
                    "peak_memory_gb": D.all_reduce_max(peak_memory_gb(self.device)),
                    "memory_baseline_gb": D.all_reduce_max(self.memory_baseline), "time_elapsed": self.train_seconds}
+        if args.nonfinite_reward == "drop":
+            metrics["dropped_samples"] = self.dropped_samples
         self.logger.log(step, metrics)
         self.bar.update(1)
         self.bar.set_postfix(**{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
         if (images is not None and args.sample_every and (step % args.sample_every == 0 or step == 1)
                 and self.dist.is_main):
             save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")
-        if step % args.checkpointing_steps == 0 or last:
+        if step % args.checkpointing_steps == 0 or last or too_many_skips:
             save_state(args, step, self.policy, self.optimizer, self.lr_scheduler, extra={
                 "step": step, "skipped_updates": self.skipped_updates, "rng": D.all_gather_object(rng_state()),
                 "config": self.config, "train_seconds": self.train_seconds,
-                **{name: obj.state_dict() for name, obj in self.state.items()}})
-        if over_time and step < args.max_train_steps and self.dist.is_main:
+                "consecutive_skips": self.consecutive_skips, "dropped_samples": self.dropped_samples,
+                **{name: obj.state_dict() for name, obj in self.state.items()}},
+                manifest=run_identity(self.config), resumed_from=self.resume_dir)
+        if too_many_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} updates in a row were skipped for a non-finite loss or gradient (more than "
+                f"--max_consecutive_skips {args.max_consecutive_skips}) at step {step}; checkpoint "
+                f"{ckpt.checkpoint_path(args.output_dir, step)} holds the last good weights. Lower --learning_rate, "
+                "check the reward and the inputs (skipped_updates in metrics.jsonl), then --resume_from latest")
+        if preempted:
+            self.preempted = (step, stop_signal)
+        elif over_time and step < args.max_train_steps and self.dist.is_main:
             print(f"stopping after step {step}: {self.train_seconds:.0f} s of training reached --max_train_seconds "
                   f"{args.max_train_seconds:g}", flush=True)
         end = time.perf_counter()
@@ -617,9 +716,18 @@ class Run:
         return last
 
     def finish(self) -> Path:
-        """Close the logger and bar, export OUT/final (a collective), print where everything is."""
+        """Close the logger and bar, export OUT/final (a collective), print where everything is; after a stop signal
+        only say where the checkpoint is and how to continue (no export: the run is not done). Returns the export
+        folder, or the checkpoint after a stop signal."""
         self.bar.close()
         self.logger.close()
+        if self.preempted is not None:
+            step, signal_name = self.preempted
+            path = ckpt.checkpoint_path(self.args.output_dir, step)
+            if self.dist.is_main:
+                print(f"{signal_name}: stopped after step {step} of {self.args.max_train_steps}; checkpoint {path}; "
+                      "continue with --resume_from latest (the launchers pass it)", flush=True)
+            return path
         final = export_final(self.args, self.policy)
         if self.dist.is_main:
             out = self.out
@@ -630,7 +738,8 @@ class Run:
 
 def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> Run:
     """The checks before anything expensive, on every rank: the flags (``validate`` -> batch arithmetic, printed by
-    rank 0), memory flags, the resume checkpoint and its config; then seeds and the noise source. The trainer checks
+    rank 0), memory flags, a writable --output_dir (where interrupted saves are cleaned up), the resume checkpoint
+    (complete, undamaged, same algorithm and config fingerprint); then seeds and the noise source. The trainer checks
     its own inputs (data, reward spec) next, before ``Run.load_models``."""
     from fastvideo.seeding import NoiseSource, seed_all, set_deterministic
 
@@ -638,10 +747,12 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     counts = validate(args, dist.world_size)
     check_memory_flags(args, dist.world_size, dist.device)
     config = run_config(args, counts)
+    check_output_dir(args.output_dir)
+    ckpt.clean_interrupted_saves(args.output_dir)  # what a killed save left (the complete checkpoints are intact)
     resume_dir = resolve_resume(args)
     if resume_dir is not None:
         check_resume_step(resume_dir, args.max_train_steps)
-        check_resume_config(config, saved_run_config(resume_dir))
+        check_resume_checkpoint(resume_dir, config)
     seed_all(args.seed)
     set_deterministic(args.deterministic)
     if dist.is_main:
@@ -651,14 +762,38 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
                amp_dtype=compute_dtype(args.mixed_precision, dist.device))
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """Every rank can create --output_dir and write a file there (ValueError on every rank alike otherwise): refused
+    before any model loads rather than at the first checkpoint."""
+    import os
+
+    out, problem = Path(output_dir), None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}-rank{D.get_rank()}"
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        problem = f"{type(err).__name__}: {err}"
+    problems = [(rank, text) for rank, text in enumerate(D.all_gather_object(problem)) if text]
+    if problems:
+        rank, text = problems[0]
+        raise ValueError(f"--output_dir {out} is not writable on rank {rank} ({text}); choose a directory every rank "
+                         "can write to (OUTPUT_DIR=... with the launchers; on a file system all nodes share)")
+
+
 def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The tensors of an ``EmbeddingDataset.get_batch`` dict moved to ``device`` (other entries kept)."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``reward_<component>`` means of gathered rewards (the total is logged as reward_mean/reward_std)."""
-    return {f"reward_{k}": v.mean() for k, v in rewards.items() if k != "total"}
+    """``reward_<component>`` means of gathered rewards (the total is logged as reward_mean/reward_std); samples
+    dropped for a non-finite reward (NaN) are left out."""
+    return {f"reward_{k}": v.nanmean() for k, v in rewards.items() if k != "total"}
 
 
 def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:

@@ -114,3 +114,27 @@ def test_errors():
         group_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="adv_clip_max"):
         group_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), adv_clip_max=0)
+
+
+@pytest.mark.parametrize("global_std", [True, False])
+def test_a_nonfinite_reward_is_a_dropped_sample(global_std):
+    """NaN/inf rewards (--nonfinite_reward drop) get advantage 0; the others get exactly the advantages of the batch
+    without them, and the metrics ignore them."""
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(12, generator=g, dtype=torch.float64)
+    groups = torch.arange(4).repeat_interleave(3)
+    dropped = torch.tensor([1, 4, 5, 6, 7, 8])  # group 1 keeps one sample, group 2 none
+    with_nan = rewards.clone()
+    with_nan[dropped[:-1]] = float("nan")
+    with_nan[dropped[-1]] = float("inf")
+    keep = torch.ones(12, dtype=torch.bool)
+    keep[dropped] = False
+    adv, m = group_advantages(with_nan, groups, global_std=global_std)
+    ref, m_ref = group_advantages(rewards[keep], groups[keep], global_std=global_std)
+    assert torch.equal(adv[~keep], torch.zeros(6, dtype=torch.float64))
+    torch.testing.assert_close(adv[keep], ref, rtol=1e-12, atol=1e-12)
+    for k in ("reward_mean", "reward_std", "adv_abs_mean", "adv_clip_frac"):
+        torch.testing.assert_close(m[k], m_ref[k])
+    assert m["zero_std_group_frac"] == pytest.approx((1 + 1) / 4)  # group 1 keeps one sample, group 2 none
+    with pytest.raises(ValueError, match="every reward of the batch is non-finite"):
+        group_advantages(torch.full((4,), float("nan")), torch.zeros(4))

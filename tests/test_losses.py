@@ -238,3 +238,22 @@ def test_first_update_check_warns_at_the_clip_scale():
     metrics, warning = first_update_check(mismatch, clip_range=1e-4)
     assert warning is not None and "50.0% of samples clipped" in warning
     assert float(metrics["clipfrac_first_update"]) == 0.5
+
+
+def test_nft_keep_masks_dropped_samples_exactly():
+    """keep=False (a sample dropped for a non-finite reward): it adds 0 to the loss and 0 to the gradient, the kept
+    ones weigh as before (the mean still divides by the batch)."""
+    g = torch.Generator().manual_seed(5)
+    shape = (4, 6, 8)
+    vt, vo, xt, x0, vref = (torch.randn(shape, generator=g) for _ in range(5))
+    t = torch.rand(4, generator=g)
+    adv = torch.tensor([-7.0, float("nan"), 0.5, 6.0])
+    keep = torch.tensor([True, False, True, True])
+    vt = vt.requires_grad_(True)
+    loss, _ = nft_loss(vt, vo, xt, x0, t, adv, beta=0.5, v_ref=vref, kl_beta=1e-2, keep=keep)
+    loss.backward()
+    kept = keep.nonzero().flatten()
+    ref = _nft_reference(vt.detach()[kept], vo[kept], xt[kept], x0[kept], t[kept], adv[kept], 0.5, 5.0, vref[kept],
+                         1e-2)
+    torch.testing.assert_close(loss.double(), ref * 3 / 4, rtol=1e-5, atol=1e-6)
+    assert torch.equal(vt.grad[1], torch.zeros(6, 8)) and vt.grad[kept].abs().sum() > 0

@@ -45,6 +45,17 @@ def test_best_worst_pairs_per_group_with_gap_threshold():
         best_worst_pairs(rewards, 4)
 
 
+def test_best_worst_pairs_never_pick_a_dropped_sample():
+    nan = float("nan")
+    rewards = torch.tensor([nan, 0.5, 0.3,    # group 0: best 1, worst 2 (the NaN is never picked)
+                            0.2, nan, nan,    # group 1: one finite reward -> no pair
+                            0.9, float("inf"), 0.1])  # group 2: inf is a dropped sample too
+    pairs = best_worst_pairs(rewards, 3)
+    assert pairs.winner[pairs.keep].tolist() == [1, 6] and pairs.loser[pairs.keep].tolist() == [2, 8]
+    assert pairs.keep.tolist() == [True, False, True] and pairs.gap[1] == 0.0
+    torch.testing.assert_close(pairs.gap[[0, 2]], torch.tensor([0.2, 0.8]))
+
+
 @pytest.mark.parametrize("n,world", [(1, 1), (3, 2), (4, 2), (5, 4), (2, 4), (7, 8)])
 def test_share_pairs_covers_each_pair_once_with_mean_weights(n, world):
     shares = [share_pairs(n, r, world) for r in range(world)]
