@@ -283,9 +283,8 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     averages = _averages(ema, shadows)
     trainable = sum(_local_bytes(_local(p)) for _, p in named_trainable_parameters(model))
-    needed = int(distributed.all_reduce_sum(torch.tensor(
-        float(_local_bytes(model_sd) + _local_bytes(optim_sd) + len(averages) * trainable), dtype=torch.float64)))
-    needed = int(needed * _SPACE_MARGIN) + (1 << 20)
+    local = _local_bytes(model_sd) + _local_bytes(optim_sd) + len(averages) * trainable
+    needed = int(sum(distributed.all_gather_object(local)) * _SPACE_MARGIN) + (1 << 20)  # (no float64 collective)
     tmp = ckpt_dir.parent / distributed.broadcast_object(f"{ckpt_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     error: BaseException | None = None
     if rank == 0:

@@ -36,6 +36,8 @@ def _killed_save(out: str, point: str, step: int) -> None:
     """(child process) save ``step`` and SIGKILL this process at ``point`` of the save."""
     import torch.distributed.checkpoint as dcp
 
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool (it would hang)
+
     def die(*_args, **_kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -75,6 +77,8 @@ def test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint(tmp_path, po
     child = multiprocessing.get_context("fork").Process(target=_killed_save, args=(str(tmp_path), point, step))
     child.start()
     child.join(120)
+    if child.exitcode is None:
+        child.kill()
     assert child.exitcode == -signal.SIGKILL, f"the save was not killed at {point} (exit {child.exitcode})"
 
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
