@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import pickle
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,6 @@ def _saved_run(tmp_path: Path):
 def _killed_save(out: str, point: str, step: int) -> None:
     """(child process) save ``step`` and SIGKILL this process at ``point`` of the save."""
     import torch.distributed.checkpoint as dcp
-
-    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool (it would hang)
 
     def die(*_args, **_kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -74,12 +73,11 @@ def _killed_save(out: str, point: str, step: int) -> None:
 def test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint(tmp_path, point):
     model, opt, sched, ema, good, trained = _saved_run(tmp_path)
     step = 1 if point == "swap" else 2  # swap: re-saving the step that exists (its old copy is moved aside first)
-    child = multiprocessing.get_context("fork").Process(target=_killed_save, args=(str(tmp_path), point, step))
-    child.start()
-    child.join(120)
-    if child.exitcode is None:
-        child.kill()
-    assert child.exitcode == -signal.SIGKILL, f"the save was not killed at {point} (exit {child.exitcode})"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_checkpoint_safety import _killed_save; _killed_save({str(tmp_path)!r}, {point!r}, {step})")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # a fresh process: no inherited locks
+    assert child.returncode == -signal.SIGKILL, f"the save was not killed at {point}: {child.stderr[-2000:]}"
 
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert any(".tmp-" in n for n in names), names  # the killed save left its partial directory ...
