@@ -57,13 +57,11 @@ def _check_image(root: Path, value: Any, height: int, width: int) -> tuple[Path 
     """(resolved path, "") for a readable image of ``width`` x ``height`` inside ``root``; else (None, problem)."""
     from PIL import Image
 
-    if not isinstance(value, str) or not value.strip():
-        return None, f"must be a non-empty path string, got {value!r}"
-    if Path(value).is_absolute():
-        return None, f"is an absolute path; write it relative to the pair file's folder {root}"
-    path = (root / value).resolve()
-    if not path.is_relative_to(root):
-        return None, f"resolves to {path}, outside the pair file's folder {root}; keep images inside that folder"
+    from fastvideo.weights import path_inside
+
+    path, problem = path_inside(root, value, "the pair file's folder")
+    if path is None:
+        return None, problem
     if not path.exists():
         return None, "not found"
     if not path.is_file():

@@ -105,19 +105,27 @@ def _read_header(file: Path) -> dict[str, TensorRecord]:
     return records
 
 
-def resolve_inside(root: Path, value: object, source: str) -> Path:
-    """``root / value`` resolved, for a relative path read from the file ``source`` in ``root``; ValueError (naming
-    ``source`` and the entry) for a non-string, an absolute path or one that leaves ``root`` (``..``, a symlink)."""
+def path_inside(root: Path, value: object, where: str) -> tuple[Path | None, str]:
+    """``(root / value resolved, "")`` for a relative path that stays inside ``root`` (``where`` names that folder in
+    messages); ``(None, what is wrong)`` for a non-string, an absolute path or one that leaves ``root`` (``..``, a
+    symlink). The one rule for paths read from our files (manifests, weight indexes, pair files)."""
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{source}: entry {value!r} is not a file name; rewrite {source} (or re-create it)")
-    if Path(value).is_absolute():
-        raise ValueError(f"{source}: entry {value!r} is an absolute path; entries must be relative to "
-                         f"{Path(source).parent} and stay inside it: rewrite {source} (or re-create it)")
+        return None, f"must be a non-empty path string, got {value!r}"
     root = Path(root).resolve()
+    if Path(value).is_absolute():
+        return None, f"is an absolute path; write it relative to {where} {root}"
     path = (root / value).resolve()
     if not path.is_relative_to(root):
-        raise ValueError(f"{source}: entry {value!r} resolves to {path}, outside {root}; entries must stay inside "
-                         f"the file's folder: rewrite {source} (or re-create it)")
+        return None, f"resolves to {path}, outside {where} {root}; keep it inside that folder"
+    return path, ""
+
+
+def resolve_inside(root: Path, value: object, source: str) -> Path:
+    """``path_inside`` for an entry of the file ``source`` (in ``root``), raising ValueError naming ``source`` and the
+    entry instead of returning the problem."""
+    path, problem = path_inside(root, value, f"the folder of {Path(source).name}")
+    if path is None:
+        raise ValueError(f"{source}: entry {value!r} {problem}: rewrite {source} (or re-create it)")
     return path
 
 
