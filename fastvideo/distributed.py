@@ -6,7 +6,6 @@ is simply the world-size-1 case: no process group is created and every collectiv
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import sys
 import threading
@@ -18,6 +17,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+from fastvideo import devices
 
 _BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -41,12 +42,8 @@ _INFO: DistInfo | None = None
 
 
 def npu_available() -> bool:
-    """True when the Ascend ``torch_npu`` plugin is importable and sees a device."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    """True when the Ascend ``torch_npu`` plugin is importable (``devices.import_npu``) and sees a device."""
+    return devices.import_npu() and bool(torch.npu.is_available())
 
 
 def pick_device_type(requested: str | None = None) -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from fastvideo import devices
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -101,12 +104,15 @@ def _subfolder(path: str | os.PathLike, name: str) -> Path:
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu"):
-    """Load the FluxTransformer2DModel of a FLUX folder (or a bare transformer folder) for training/sampling."""
+    """Load the FluxTransformer2DModel of a FLUX folder (or a bare transformer folder) for training/sampling, adapted
+    to ``device`` (``prepare_for_device``: float32 rotary embeddings and fused attention on an NPU)."""
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel.from_pretrained(_subfolder(path, "transformer"), torch_dtype=dtype,
                                                    local_files_only=True)
-    return model.to(device)
+    model = model.to(device)
+    prepare_for_device(model, device)
+    return model
 
 
 def transformer_folder(path: str | os.PathLike) -> Path:
@@ -427,3 +433,182 @@ def vae_fingerprint(path: str | os.PathLike) -> str:
     """sha256 over a FLUX folder's ``vae/`` files (configs in full, weights sampled): tells whether cached
     latents were made by the same VAE."""
     return _folder_digest(check_model_folder(path, ("vae",)), ("vae",))
+
+
+# --------------------------------------------------------------------------------------- device adaptations
+_ROPE_HI_BITS = 12  # significant bits of a frequency's high part: pos * hi is exact for integer |pos| < 2**12
+
+
+def _round_to_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values`` (float64) rounded to ``bits`` significant bits, so each is exactly a float32 too."""
+    mantissa, exponent = torch.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+    return torch.ldexp(torch.round(torch.ldexp(mantissa, torch.tensor(bits))), exponent - bits)
+
+
+def _split_hi_lo(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``values`` -> float32 (hi, lo) with hi of ``_ROPE_HI_BITS`` bits and hi + lo = values to ~1e-12."""
+    hi = _round_to_bits(values, _ROPE_HI_BITS)
+    return hi.float(), (values - hi).float()
+
+
+def _two_pi_parts() -> tuple[float, float, float]:
+    """2π as P1 + P2 + P3 (float32 values; P1, P2 of 12 bits) for Cody-Waite range reduction: ``k * P1`` and
+    ``k * P2`` are exact in float32 for integers |k| < 2**12."""
+    two_pi = torch.tensor(2 * torch.pi, dtype=torch.float64)
+    p1 = _round_to_bits(two_pi, _ROPE_HI_BITS)
+    p2 = _round_to_bits(two_pi - p1, _ROPE_HI_BITS)
+    return float(p1), float(p2), float((two_pi - p1 - p2).float())
+
+
+class _Float32Rope:
+    """FLUX's rotary cos/sin computed with float32 tensors only, as accurately as diffusers' float64 path.
+
+    The inverse frequencies ``1 / theta**(2i/d)`` of every axis are computed once in float64 on the CPU and split
+    into float32 ``hi + lo`` with 12-bit ``hi``. A position is split into its integer part ``n`` and fraction
+    ``f``, so ``a = n * hi`` is exact in float32 for |n| < 4096 and ``b = n * lo + f * (hi + lo)`` is small.
+    ``a`` is reduced by 2π in three steps (Cody-Waite: the first is exact), so the device's cos/sin only see
+    arguments in about [-π, π] (accurate whatever its large-argument handling), and
+    ``cos(r + b) = cos r cos b - sin r sin b`` (likewise sin) adds ``b`` back without rounding a large angle.
+    Error against diffusers' float64 path: < 3e-7 for |positions| < 4096 (integer or not); beyond that
+    ``n * hi`` is no longer exact and the error grows like a plain float32 computation's (~ulp(pos * freq)).
+    """
+
+    def __init__(self, theta: float, axes_dim: list[int] | tuple[int, ...]):
+        for dim in axes_dim:
+            if dim % 2:
+                raise ValueError(f"rotary axes dims must be even, got {list(axes_dim)}: fix axes_dims_rope")
+        freqs = [1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d)) for d in axes_dim]
+        self.axes_dim = [int(d) for d in axes_dim]
+        self.hi, self.lo = _split_hi_lo(torch.cat(freqs))  # (D/2,) float32 on the CPU, axes concatenated
+        self.two_pi = _two_pi_parts()
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._on_device:  # float32 copies only: no float64 tensor reaches the device
+            self._on_device[device] = (self.hi.to(device), self.lo.to(device))
+        return self._on_device[device]
+
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (N, n_axes) -> (cos, sin), each (N, sum(axes_dim)) float32, pairs repeated (diffusers' layout)."""
+        if ids.ndim != 2 or ids.shape[-1] != len(self.axes_dim):
+            raise ValueError(f"rotary ids must be (N, {len(self.axes_dim)}), got {tuple(ids.shape)}: pass "
+                             "flux.image_ids / flux.text_ids")
+        hi, lo = self._constants(ids.device)
+        pos = ids.float()
+        pos = torch.cat([pos[:, i:i + 1].expand(-1, d // 2) for i, d in enumerate(self.axes_dim)], dim=1)  # (N, D/2)
+        whole = pos.floor()
+        frac = pos - whole  # exact: [0, 1)
+        a = whole * hi  # exact for |pos| < 4096
+        b = whole * lo + frac * hi + frac * lo  # |b| <~ freq + |pos * freq| / 4096: small, so rounding it is harmless
+        p1, p2, p3 = self.two_pi
+        k = torch.round(a * (1 / (2 * torch.pi)))
+        r = ((a - k * p1) - k * p2) - k * p3  # a - 2πk: the first subtraction is exact, |r| <~ π
+        cos_r, sin_r, cos_b, sin_b = r.cos(), r.sin(), b.cos(), b.sin()
+        cos = cos_r * cos_b - sin_r * sin_b
+        sin = sin_r * cos_b + cos_r * sin_b
+        return cos.repeat_interleave(2, dim=1), sin.repeat_interleave(2, dim=1)
+
+
+def _make_float32_pos_embed_class() -> type:
+    """Define ``Float32FluxPosEmbed`` (diffusers is imported only when it is first asked for)."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    class Float32FluxPosEmbed(FluxPosEmbed):
+        """diffusers' ``FluxPosEmbed`` computed in float32 only (Ascend NPUs have no float64), matching its float64
+        result to ~3e-7 (see ``_Float32Rope``); no parameters or buffers, so checkpoints are unchanged."""
+
+        def __init__(self, theta: int, axes_dim: list[int]):
+            super().__init__(theta=theta, axes_dim=axes_dim)
+            self._rope = _Float32Rope(theta, axes_dim)
+
+        def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """ids (N, n_axes) -> (freqs_cos, freqs_sin), each (N, sum(axes_dim)) float32 on ids' device."""
+            return self._rope(ids)
+
+        def extra_repr(self) -> str:
+            return f"theta={self.theta}, axes_dim={list(self.axes_dim)}, float32"
+
+    Float32FluxPosEmbed.__module__ = __name__
+    Float32FluxPosEmbed.__qualname__ = "Float32FluxPosEmbed"
+    return Float32FluxPosEmbed
+
+
+def _float32_pos_embed_class() -> type:
+    """``Float32FluxPosEmbed``, defined on first use and then a module attribute like any other."""
+    if "Float32FluxPosEmbed" not in globals():
+        globals()["Float32FluxPosEmbed"] = _make_float32_pos_embed_class()
+    return globals()["Float32FluxPosEmbed"]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy module attribute ``Float32FluxPosEmbed`` (keeps ``import fastvideo.flux`` free of diffusers)."""
+    if name == "Float32FluxPosEmbed":
+        return _float32_pos_embed_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def use_float32_rope(transformer: Any) -> bool:
+    """Replace the FLUX transformer's ``pos_embed`` (through wrappers) by ``Float32FluxPosEmbed``, for devices
+    without float64; True if it swapped, False if it already was one."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    cls = _float32_pos_embed_class()
+    model = unwrap_model(transformer)
+    current = getattr(model, "pos_embed", None)
+    if isinstance(current, cls):
+        return False
+    if not isinstance(current, FluxPosEmbed):
+        raise ValueError(f"{type(model).__name__} has no FluxPosEmbed `pos_embed`: pass a FluxTransformer2DModel")
+    model.pos_embed = cls(theta=current.theta, axes_dim=list(current.axes_dim))
+    return True
+
+
+NPU_ATTENTION_BACKEND = "_native_npu"  # diffusers' AttentionBackendName._NATIVE_NPU: torch_npu.npu_fusion_attention
+
+
+def _set_npu_attention(model: Any) -> str:
+    """Switch the model's attention to diffusers' NPU fused-attention backend; describe what happened."""
+    setter = getattr(model, "set_attention_backend", None)
+    try:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        offered = NPU_ATTENTION_BACKEND in {b.value for b in AttentionBackendName}
+    except ImportError:
+        offered = False
+    if setter is None or not offered:
+        reason = "this diffusers has no attention backends; upgrade diffusers (>= 0.35) for NPU fused attention"
+    else:
+        try:
+            setter(NPU_ATTENTION_BACKEND)  # raises RuntimeError when diffusers finds no torch_npu
+            return f"attention backend: {NPU_ATTENTION_BACKEND} (torch_npu.npu_fusion_attention)"
+        except (RuntimeError, ValueError, ImportError) as err:
+            reason = str(err)
+    warnings.warn(f"NPU fused attention unavailable, keeping torch SDPA: {reason}", stacklevel=3)
+    return f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} unavailable: {reason})"
+
+
+def prepare_for_device(transformer: Any, device: torch.device | str, *,
+                       param_dtype: torch.dtype | None = None) -> list[str]:
+    """Adapt a FLUX transformer to ``device``'s type; returns what it changed (print it). On "npu": float32
+    rotary embedding (``use_float32_rope``) and, where diffusers offers it, the ``_native_npu`` fused attention.
+    cuda / cpu: nothing.
+
+    ``param_dtype``: the dtype of the weights during the forward (FSDP mixed precision's ``param_dtype``; default:
+    the stored weights' dtype). NPU fused attention takes only bf16/fp16 q, k and v, which holds only with half
+    precision weights: with float32 weights under autocast, diffusers' q/k RMSNorm returns float32 while v is
+    bf16, which torch SDPA casts under autocast but diffusers' NPU backend is registered for bf16/fp16 only, so
+    then SDPA is kept.
+    """
+    if devices.device_type(device) != "npu":
+        return []
+    model = unwrap_model(transformer)
+    done = []
+    if use_float32_rope(model):
+        done.append("pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")
+    dtype = param_dtype or _model_dtype(model)
+    if dtype in (torch.bfloat16, torch.float16):
+        done.append(_set_npu_attention(model))
+    else:
+        done.append(f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} needs bf16/fp16 q, k, v; the weights "
+                    f"are {str(dtype).replace('torch.', '')} in the forward)")
+    return done

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import resource
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+
+from fastvideo import devices
 
 
 def _plain(value: Any) -> Any:
@@ -100,17 +99,12 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = N
     return path
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: accelerator allocator peak, or CPU max RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    if device.type == "npu":  # pragma: no cover - NPU only
-        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+def peak_memory_gb(device: torch.device | str) -> float:
+    """Peak memory of this process: accelerator allocator peak, or CPU max RSS (``devices.max_memory_allocated_gb``)."""
+    return devices.max_memory_allocated_gb(device)
 
 
-def current_memory_gb(device: torch.device, import_model_libraries: bool = False) -> float:
+def current_memory_gb(device: torch.device | str, import_model_libraries: bool = False) -> float:
     """Memory in use now: accelerator allocator, or CPU resident set size. A trainer records it before loading any
     model (``memory_baseline_gb``), so that on a CPU job ``peak_memory_gb - memory_baseline_gb`` is what the run
     itself allocated (the ``--dry_run`` plan's quantity). ``import_model_libraries`` first imports diffusers and
@@ -118,15 +112,7 @@ def current_memory_gb(device: torch.device, import_model_libraries: bool = False
     if import_model_libraries:
         from diffusers import AutoencoderKL, FluxTransformer2DModel  # noqa: F401
         import peft  # noqa: F401
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**30
-    if device.type == "npu":  # pragma: no cover - NPU only
-        return torch.npu.memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (OSError, ValueError):  # not Linux: the peak so far is the best available figure
-        return peak_memory_gb(device)
+    return devices.memory_allocated_gb(device)
 
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):

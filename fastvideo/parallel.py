@@ -65,7 +65,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fastvideo import distributed
+from fastvideo import devices, distributed
 from fastvideo.flux import model_config as unwrap_config  # noqa: F401  (re-exported: config through wrappers)
 from fastvideo.flux import unwrap_model
 
@@ -297,8 +297,7 @@ def autocast(mixed_precision: str, device: torch.device | str | None = None):
     validate_parallel_options(2, "full", mixed_precision)
     if mixed_precision == "fp32":
         return nullcontext()
-    device_type = torch.device(device).type if device is not None else distributed.info().device.type
-    return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return devices.autocast(device if device is not None else distributed.info().device, torch.bfloat16)
 
 
 def resolve_gradient_sync(mode: str, is_lora: bool) -> str:

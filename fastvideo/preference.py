@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fastvideo import flux
+from fastvideo import distributed, flux
 from fastvideo.data import atomic_write_text, publish_file
 
 FORMAT_VERSION = 1
@@ -451,9 +451,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--reward", default="jpeg_compressibility:1.0",
                         help="reward spec name:weight[,name:weight] ranking the samples (weight-free by default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise")
-    parser.add_argument("--device", default=None, help="device to sample on (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None,
+                        help="device to sample on (default: the first available of cuda, npu, cpu)")
     args = parser.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or distributed.pick_device_type()
     return make_demo_pairs(args.model_path, args.data_json_path, args.output_dir, num_pairs=args.num_pairs,
                            num_generations=args.num_generations, height=args.h, width=args.w,
                            sampling_steps=args.sampling_steps, reward=args.reward, seed=args.seed, device=device)

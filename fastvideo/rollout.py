@@ -18,13 +18,12 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import flux
+from fastvideo import devices, flux
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
@@ -141,18 +140,6 @@ def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tens
     return int(j) if not torch.is_tensor(j) or j.ndim == 0 else j.to(device=device, dtype=torch.long)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def _synchronize(device: torch.device) -> None:
-    module = getattr(torch, device.type, None)
-    if device.type != "cpu" and module is not None and hasattr(module, "synchronize"):
-        module.synchronize()
-
-
 def window_starts(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> list[int]:
     """SDE window start per sample, drawn once per prompt group (sample_index 0, purpose "window")."""
     lo, hi = cfg.sde_window_range
@@ -225,7 +212,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         pooled = pooled_all[mb].to(device)
         prev_x0 = prev_sigma = None  # dpm2: the previous step's x0_hat and sigma (first step first order)
         for i in range(S):
-            with _autocast(device, autocast_dtype):
+            with devices.autocast(device, autocast_dtype):
                 v = flux.predict_velocity(transformer, x, sigma_list[i], embeds, pooled, img_ids, txt_ids,
                                           guidance=cfg.guidance)
             v = v.float()
@@ -247,10 +234,10 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
             if latents is not None:
                 latents[mb, i + 1] = x_next
             x = x_next
-        _synchronize(device)
+        devices.synchronize(device)
         t1 = time.perf_counter()
         images.append(flux.decode(vae, clean[mb], geometry).float())
-        _synchronize(device)
+        devices.synchronize(device)
         t_sample += t1 - t0
         t_decode += time.perf_counter() - t1
     return Trajectory(
@@ -320,7 +307,7 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
     pooled = batch["pooled_prompt_embeds"][idx_b].to(dev)
     img_ids = flux.image_ids(geometry, dev, embeds.dtype)
     txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
-    with _autocast(dev, autocast_dtype):
+    with devices.autocast(dev, autocast_dtype):
         v = flux.predict_velocity(transformer, x, sigma if torch.is_tensor(jj) else float(sigma), embeds, pooled,
                                   img_ids, txt_ids, guidance=cfg.guidance)
     _, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=traj.sde_type, eta=traj.eta,
@@ -382,7 +369,7 @@ def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch
     embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
     img_ids = flux.image_ids(geometry, dev, embeds.dtype)
     txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
-    with _autocast(dev, autocast_dtype):
+    with devices.autocast(dev, autocast_dtype):
         v = flux.predict_velocity(transformer, x_t, sigma.to(dev, torch.float32).view(-1), embeds, pooled, img_ids,
                                   txt_ids, guidance=guidance)
     return v.float()

@@ -14,6 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from fastvideo import devices
+
 
 def seed_all(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices) for anything not drawn from a NoiseSource."""
@@ -22,22 +24,38 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def set_deterministic(enabled: bool = True) -> None:
-    """Deterministic algorithms everywhere (slower on GPU); sets the CUDA/NPU env knobs too."""
+# Env vars read when the process group / accelerator context starts: set them before init_process_group.
+DETERMINISTIC_ENV: dict[str, str] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # cuBLAS: a fixed workspace, so GEMM reductions run in one order
+    "HCCL_DETERMINISTIC": "true",  # Ascend HCCL: deterministic AllReduce / ReduceScatter / Reduce
+}
+
+
+def deterministic_env() -> list[str]:
+    """Set the deterministic env vars (a value already exported wins); safe, and needed, before the process group
+    and the CUDA/NPU context start. Returns ``NAME=value`` as now in effect."""
+    for name, value in DETERMINISTIC_ENV.items():
+        os.environ.setdefault(name, value)
+    return [f"{name}={os.environ[name]}" for name in DETERMINISTIC_ENV]
+
+
+def set_deterministic(enabled: bool = True) -> list[str]:
+    """Deterministic algorithms on every device type (slower on accelerators): the env vars of
+    ``deterministic_env``, torch's deterministic mode (torch_npu honours it too) and the libraries' switches of
+    ``devices.deterministic_switches``. Returns what it set, in order (nothing when not ``enabled``)."""
     if not enabled:
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    os.environ.setdefault("HCCL_DETERMINISTIC", "true")  # Ascend collectives
-    os.environ.setdefault("ASCEND_LAUNCH_BLOCKING", "0")
+        return []
+    done = deterministic_env()
     torch.use_deterministic_algorithms(True, warn_only=True)
-    if torch.backends.cudnn.is_available():
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-    if hasattr(torch, "npu"):
-        try:  # torch_npu exposes the same switch under torch.npu
-            torch.npu.set_deterministic(True)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - optional backend knob
-            pass
+    done.append("torch.use_deterministic_algorithms(True, warn_only=True)")
+    try:
+        import torch.utils.deterministic as torch_deterministic
+    except ImportError:  # torch < 2.1
+        torch_deterministic = None
+    if hasattr(torch_deterministic, "fill_uninitialized_memory"):
+        torch_deterministic.fill_uninitialized_memory = True
+        done.append("torch.utils.deterministic.fill_uninitialized_memory = True")
+    return done + devices.deterministic_switches()
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
@@ -102,15 +120,13 @@ class NoiseSource:
 def rng_state() -> dict:
     """Global RNG states (Python, NumPy, torch CPU and accelerator) for checkpoints."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state.update(devices.accelerator_rng_state())  # "cuda" / "npu": per-device states where the host has them
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` returned."""
+    """Restore what ``rng_state`` returned (an accelerator entry this host has no device for is skipped)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    devices.set_accelerator_rng_state(state)

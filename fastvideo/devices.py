@@ -1,0 +1,163 @@
+"""The one module that knows device types (cuda, npu, cpu) beyond torch.distributed.
+
+Everything device-specific the trainers do besides collectives goes through here: synchronise, free the cache,
+memory statistics, autocast, accelerator RNG state and the libraries' deterministic switches. The same call serves
+CUDA, Ascend NPU and CPU. ``torch_npu`` (which registers ``torch.npu``, the "npu" device and its autocast) is
+imported only when it is installed, and only when an NPU question is asked.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import resource
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ContextManager
+
+import torch
+
+ACCELERATOR_TYPES: tuple[str, ...] = ("cuda", "npu")  # device types with a torch.<type> module and an RNG state
+
+_NPU_IMPORTED: bool | None = None  # import_npu's answer, once known
+
+
+def import_npu() -> bool:
+    """Import ``torch_npu`` if it is installed (registering ``torch.npu``); False when absent. Cached."""
+    global _NPU_IMPORTED
+    if _NPU_IMPORTED is None:
+        _NPU_IMPORTED = False
+        if importlib.util.find_spec("torch_npu") is not None:
+            try:
+                import torch_npu  # noqa: F401  (registers torch.npu and the "npu" device type)
+            except (ImportError, OSError, RuntimeError) as err:  # installed but unusable (e.g. CANN not sourced)
+                print(f"warning: torch_npu is installed but does not import ({err}); NPU disabled: source CANN's "
+                      "set_env.sh or uninstall torch_npu", file=sys.stderr, flush=True)
+            else:
+                _NPU_IMPORTED = hasattr(torch, "npu")
+    return _NPU_IMPORTED
+
+
+def device_type(device: torch.device | str) -> str:
+    """The device type of ``device`` ("cuda", "npu", "cpu", ...), also for an "npu" string without torch_npu."""
+    if isinstance(device, torch.device):
+        return device.type
+    return str(device).split(":")[0]
+
+
+def device_module(device: torch.device | str) -> ModuleType | None:
+    """``torch.cuda`` / ``torch.npu`` for an accelerator device, None for the CPU (or an NPU without torch_npu)."""
+    kind = device_type(device)
+    if kind == "cuda":
+        return torch.cuda
+    if kind == "npu" and import_npu():
+        return getattr(torch, "npu", None)
+    return None
+
+
+def _available_module(kind: str) -> ModuleType | None:
+    """The torch module of accelerator type ``kind`` if this host has such a device."""
+    module = device_module(kind)
+    return module if module is not None and module.is_available() else None
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (for honest timings); a no-op on the CPU."""
+    module = device_module(device)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(device)
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Return the allocator's cached blocks on ``device`` to the driver; a no-op on the CPU."""
+    module = device_module(device)
+    if module is not None and hasattr(module, "empty_cache"):
+        module.empty_cache()
+
+
+def _host_peak_gb() -> float:
+    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform != "darwin" else peak / 2**30
+
+
+def _host_current_gb() -> float:
+    """Resident set size of this process now (the peak so far where /proc is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):  # not Linux: the peak so far is the best available figure
+        return _host_peak_gb()
+
+
+def memory_allocated_gb(device: torch.device | str) -> float:
+    """Memory in use now: the accelerator allocator's bytes, or the CPU resident set size, in GiB."""
+    module = device_module(device)
+    if module is not None and hasattr(module, "memory_allocated"):
+        return module.memory_allocated(device) / 2**30
+    return _host_current_gb()
+
+
+def max_memory_allocated_gb(device: torch.device | str) -> float:
+    """Peak memory since the last reset: accelerator allocator peak, or the CPU max resident set size, in GiB."""
+    module = device_module(device)
+    if module is not None and hasattr(module, "max_memory_allocated"):
+        return module.max_memory_allocated(device) / 2**30
+    return _host_peak_gb()
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a new peak for ``max_memory_allocated_gb``; a no-op on the CPU (the process's max RSS cannot reset)."""
+    module = device_module(device)
+    if module is not None and hasattr(module, "reset_peak_memory_stats"):
+        module.reset_peak_memory_stats(device)
+
+
+def autocast(device: torch.device | str, dtype: torch.dtype | None) -> ContextManager:
+    """``torch.autocast`` to ``dtype`` on the device's type ("npu" once torch_npu is imported), or a null context
+    for ``dtype=None`` (full precision)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    kind = device_type(device)
+    if kind == "npu":
+        import_npu()  # registers "npu" as an autocast device type
+    return torch.autocast(device_type=kind, dtype=dtype)
+
+
+def accelerator_rng_state() -> dict[str, Any]:
+    """Per-device RNG states of each accelerator type this host has, keyed "cuda" / "npu" (empty on a CPU host)."""
+    state = {}
+    for kind in ACCELERATOR_TYPES:
+        module = _available_module(kind)
+        if module is not None:
+            state[kind] = module.get_rng_state_all()
+    return state
+
+
+def set_accelerator_rng_state(state: dict[str, Any]) -> None:
+    """Restore the "cuda" / "npu" entries of ``state`` on the accelerators this host has; others are ignored (a
+    checkpoint from another device type, or one from before the entry existed)."""
+    for kind in ACCELERATOR_TYPES:
+        if kind in state:
+            module = _available_module(kind)
+            if module is not None:
+                module.set_rng_state_all(state[kind])
+
+
+def deterministic_switches() -> list[str]:
+    """Turn on the accelerator libraries' deterministic / full-float32 switches (cuDNN, TF32, Ascend HF32) so that
+    float32 math is not silently done in a 10-bit-mantissa format; returns the assignments it made."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    done = ["torch.backends.cudnn.deterministic = True", "torch.backends.cudnn.benchmark = False",
+            "torch.backends.cuda.matmul.allow_tf32 = False", "torch.backends.cudnn.allow_tf32 = False"]
+    npu = device_module("npu")
+    for group in ("matmul", "conv"):  # torch_npu's HF32 switches (conv defaults to True, matmul to False)
+        switches = getattr(npu, group, None)
+        if switches is not None and hasattr(switches, "allow_hf32"):
+            switches.allow_hf32 = False
+            done.append(f"torch.npu.{group}.allow_hf32 = False")
+    return done
