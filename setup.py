@@ -19,11 +19,11 @@ setup(
         "numpy",
         "pillow",
         "tqdm",
+        "matplotlib",  # python -m fastvideo.compare (its plot); imported only there
     ],
     extras_require={
         "test": ["pytest>=7.4", "pytest-timeout"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        "bench": ["matplotlib"],  # benchmarks/algorithms.py (its plot)
     },
 )

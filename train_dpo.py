@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> None:
             images, t_sample, t_decode = traj.images, traj.timings["sample"], traj.timings["decode"]
 
             # ---- 2. score, gathered over ranks (a prompt group may span ranks): name -> (P*G,) ------
-            all_rewards, t_reward = run.score(traj.images, batch["prompts"])
+            all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
             all_latents = D.all_gather_tensor(traj.clean_latents.cpu())  # (P*G, L, C)
 
             # ---- 3. pair: best vs worst of each group; this rank's share of the kept pairs ----------
@@ -95,7 +95,7 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 4. DPO update: winner and loser share noise and sigma; one optimizer step ----------------
         t0 = time.perf_counter()
-        trained, per_item, grad_norm = len(pair_keys), [], 0.0
+        trained, per_item, losses, grad_norm = len(pair_keys), [], [], 0.0
         draws = args.timesteps_per_pair
         rows = torch.arange(trained).repeat(draws)  # (m*K,) the pair of each (pair, draw) item
         item_weights = weights[rows] / draws
@@ -118,6 +118,7 @@ def train(args: argparse.Namespace) -> None:
                 loss, _ = dpo_loss(err_w, err_l, ref_w, ref_l, beta=args.beta_dpo, weights=item_weights[items])
                 run.set_gradient_sync(last_backward=k == len(micro_batches) - 1)
                 loss.backward()
+                losses.append(loss.detach())
                 per_item.append(torch.stack([err_w.detach(), err_l.detach(), ref_w, ref_l], dim=1))
             grad_norm = run.optimizer_step()
         if args.ref_update_interval and step % args.ref_update_interval == 0:
@@ -139,7 +140,8 @@ def train(args: argparse.Namespace) -> None:
             "samples_per_s": run.counts.get("samples_per_step", 2 * args.prompts_per_step) / step_time,
         })
         postfix = {"loss": "{:.4f}", **({"reward_mean": "{:.5g}"} if online else {})}
-        if run.end_step(step, metrics, images, postfix=postfix):
+        trace = {"loss": torch.stack(losses).view(-1, 1), "item_errors": local} if losses else None
+        if run.end_step(step, metrics, images, postfix=postfix, trace=trace):
             break
 
     run.finish()

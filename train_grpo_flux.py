@@ -53,7 +53,7 @@ def train(args: argparse.Namespace) -> None:
         t_rollout = time.perf_counter() - t0
 
         # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) -----------------------------
-        all_rewards, t_reward = run.score(traj.images, batch["prompts"])
+        all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
 
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         n_local = len(samples.prompt_ids)
@@ -119,7 +119,9 @@ def train(args: argparse.Namespace) -> None:
         if dist.is_main and ratio_warning and not warned_ratio:
             warned_ratio = True
             print(f"warning: step {step}: {ratio_warning}", flush=True)
-        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"}):
+        trace = {"loss": torch.stack(losses).view(len(micro_batches), num_trained), "timesteps": timesteps}
+        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"},
+                        trace=trace):
             break
 
     run.finish()

@@ -55,7 +55,7 @@ def train(args: argparse.Namespace) -> None:
         x0 = traj.clean_latents  # (B, L, C) float32
 
         # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) ---------------------------------
-        all_rewards, t_reward = run.score(traj.images, batch["prompts"])
+        all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
 
         # ---- 3. group advantages on the global batch -> optimality r ------------------------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
@@ -122,7 +122,8 @@ def train(args: argparse.Namespace) -> None:
             "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
             "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
         }
-        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"}):
+        trace = {"loss": torch.stack(logs["loss"]).view(len(micro_batches), num_trained), "timesteps": timesteps}
+        if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"}, trace=trace):
             break
 
     run.finish()

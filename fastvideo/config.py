@@ -191,6 +191,21 @@ class LoggingOptions:
 
 
 @dataclass
+class AlignmentOptions:
+    record_dir: str | None = opt(
+        None, "write what the run draws and computes, per step and rank, to this empty folder: every random draw by "
+        "key and old log-probs (safetensors), decoded images (PNG), per-sample rewards, per-update losses and grad "
+        "norms (JSONL), a manifest (versions, device, dtype, flags); for `python -m fastvideo.compare`. Draws take "
+        "~4*S*L*C bytes per sample and step (8 MB at 720x720, 16 steps)")
+    record_every: int = opt(1, "with --record_dir: record step 1 and every N-th step (a replay needs every step)")
+    replay_dir: str | None = opt(
+        None, "a --record_dir of another run (another device, dtype or code version): take its random draws instead of "
+        "drawing them; keys, shapes and counts are checked every step")
+    replay_images: bool = opt(False, "with --replay_dir: score the recorded images instead of this run's decoded ones "
+                                     "(isolates the reward stage; the images are the recording's 8-bit PNGs)")
+
+
+@dataclass
 class CheckpointOptions:
     checkpointing_steps: int = opt(100, "save the full training state every N training steps (and at the end)")
     checkpoints_total_limit: int | None = opt(None, "keep only the newest N checkpoints")
@@ -243,10 +258,12 @@ class NFTOptions:
 
 
 GRPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, GRPOOptions, OptimOptions, LoRAOptions,
-               ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+               ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, AlignmentOptions,
+               PlanOptions)
 
 NFT_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, NFTOptions, OptimOptions, LoRAOptions,
-              ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+              ParallelOptions, RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, AlignmentOptions,
+              PlanOptions)
 
 # NFT reads these shared flags in its own units / with DiffusionNFT's defaults
 NFT_DEFAULTS = {"output_dir": "outputs/nft", "wandb_project": "flux-nft", "global_std": True}
@@ -263,7 +280,7 @@ NFT_HELP = {
 
 
 DPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, DPOOptions, OptimOptions, LoRAOptions, ParallelOptions,
-              RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, PlanOptions)
+              RewardOptions, EvalOptions, LoggingOptions, CheckpointOptions, AlignmentOptions, PlanOptions)
 
 # DPO reads these shared flags in its own units
 DPO_DEFAULTS = {"output_dir": "outputs/dpo", "wandb_project": "flux-dpo"}
@@ -279,9 +296,11 @@ DPO_HELP = {
 
 
 def _add_group(parser: argparse.ArgumentParser, cls: type, help_overrides: dict[str, str] | None = None,
-               default_overrides: dict[str, Any] | None = None) -> None:
+               default_overrides: dict[str, Any] | None = None, exclude: Sequence[str] = ()) -> None:
     group = parser.add_argument_group(cls.__name__.replace("Options", "").lower())
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         meta = dict(f.metadata)
         help_text = (help_overrides or {}).get(f.name, meta["help"])
         meta.pop("help")
@@ -308,12 +327,14 @@ def _scalar_type(annotation: Any):
 
 
 def build_parser(groups: Sequence[type], description: str, help_overrides: dict[str, str] | None = None,
-                 default_overrides: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+                 default_overrides: dict[str, Any] | None = None, exclude: Sequence[str] = ()
+                 ) -> argparse.ArgumentParser:
     """An argparse parser with one argument group per dataclass in ``groups`` (``help_overrides`` /
-    ``default_overrides``: flag -> the help text / default a trainer needs instead of the shared one)."""
+    ``default_overrides``: flag -> the help text / default a trainer needs instead of the shared one; ``exclude``:
+    flags of those groups a tool does not read)."""
     parser = argparse.ArgumentParser(description=description)
     for cls in groups:
-        _add_group(parser, cls, help_overrides, default_overrides)
+        _add_group(parser, cls, help_overrides, default_overrides, exclude)
     return parser
 
 
@@ -407,6 +428,9 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.train_batch_size >= 1, f"--train_batch_size must be >= 1, got {args.train_batch_size}")
     _need(args.gradient_accumulation_steps >= 0,
           f"--gradient_accumulation_steps must be >= 0, got {args.gradient_accumulation_steps}")
+    _need(args.record_every >= 1, f"--record_every must be >= 1, got {args.record_every}")
+    _need(not args.replay_images or args.replay_dir is not None,
+          "--replay_images takes the images of a recording: pass --replay_dir DIR too")
     if args.resume_from not in (None, "latest"):
         path = Path(args.resume_from)
         if not path.is_dir():
@@ -543,6 +567,8 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
         online_only = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type",
                        "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step")
         changed = [k for k in online_only if getattr(args, k) != defaults[k]]
+        _need(not args.replay_images, "offline DPO (--preference_file) scores no images: --replay_images would do "
+                                      "nothing; drop it (--replay_dir alone replays the recorded noise)")
         _need(not changed, "offline DPO (--preference_file) samples nothing and scores nothing: "
                            f"{', '.join('--' + k for k in changed)} would do nothing; drop them")
         _need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")

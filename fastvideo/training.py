@@ -128,7 +128,8 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
 
     No rank ever holds the whole model (DESIGN principle 8): host RAM per node is ~1x the fp32 model. The reference
     of a full fine-tune is loaded the same way, in the compute dtype (bf16 on accelerators), never copied from the
-    trained weights. Build the optimizer right after this (FSDP2 swaps parameters for DTensors here).
+    trained weights. Build the optimizer right after this (FSDP2 swaps parameters for DTensors here). On an Ascend NPU
+    every transformer gets float32 rotary embeddings and the fused attention (``flux.prepare_for_device``).
     """
     transformer = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
     config = dict(transformer.config)
@@ -170,6 +171,12 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
                                              **shard_kwargs)
             weights.load_safetensors_into(old_model, folder)
         old = OldPolicy(transformer, old_model)
+    param_dtype = compute_dtype(args.mixed_precision, device) if _fsdp_precision(args.mixed_precision, device) == "bf16" \
+        else torch.float32
+    for model in (transformer, frozen_ref, old.old_model if old is not None else None):
+        done = flux.prepare_for_device(model, device, param_dtype=param_dtype) if model is not None else []
+        if done and D.is_main_process() and model is transformer:
+            print("device adaptations: " + "; ".join(done), flush=True)
     ema = ckpt.EMA(transformer, decay=args.ema_decay, warmup=args.ema_warmup) if args.use_ema else None
     snapshot = ckpt.EMA(transformer, decay=0.0, warmup=False) if ref_snapshot else None
     return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config,
@@ -189,7 +196,12 @@ def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]
     """Run ``train(args)`` in the process group torchrun describes (world size 1 without torchrun); an error on one
     rank ends every rank within seconds, with its message (``distributed.fail_fast``); SIGTERM/SIGINT end the run
     after the current step with a checkpoint (``preemption``)."""
+    from fastvideo.seeding import set_deterministic
+
+    switches = set_deterministic(args.deterministic)  # before the process group and device context start (env vars)
     D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
+    if switches and D.is_main_process():
+        print("--deterministic: " + "; ".join(switches), flush=True)
     with preemption.stop_on_signals(), D.fail_fast():
         train(args)
     D.cleanup()
@@ -443,6 +455,9 @@ class Run:
     consecutive_skips: int = 0  # updates skipped in a row (non-finite gradient norm); see --max_consecutive_skips
     dropped_samples: int = 0  # samples dropped for a non-finite reward so far (--nonfinite_reward drop)
     preempted: tuple[int, str] | None = None  # (step, signal) when a stop signal ended the run early
+    recorder: Any = None  # record.Recorder with --record_dir
+    replay: Any = None  # record.Replay with --replay_dir
+    step_grad_norms: list[float] = field(default_factory=list)  # this step's optimizer steps (for the recording)
 
     @property
     def device(self) -> torch.device:
@@ -575,6 +590,21 @@ class Run:
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
+    def score_rollout(self, traj: Any, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
+        """``score`` this rank's rollout (a ``rollout.Trajectory`` of the current step): with --replay_images the
+        recorded images are scored instead of the decoded ones; with --record_dir the images, each sample's rewards
+        (this rank's slice) and the old log-probs are recorded."""
+        prompt_ids, sample_indices = traj.prompt_ids.tolist(), traj.sample_indices.tolist()
+        images = traj.images
+        if self.replay is not None and self.replay.use_images:
+            images = self.replay.images(traj.step, prompt_ids, sample_indices, like=images)
+        rewards, seconds = self.score(images, prompts)
+        if self.recorder is not None:
+            log_probs = traj.log_probs if bool(traj.stochastic.any()) else None
+            self.recorder.add_samples(traj.step, prompt_ids, sample_indices, prompts, images,
+                                      {k: self.local(v) for k, v in rewards.items()}, log_probs)
+        return rewards, seconds
+
     def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
         """Reward this rank's images in one batched call, all-gathered over ranks: ``name -> (P*G,)`` CPU float32 in
         global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent."""
@@ -642,6 +672,7 @@ class Run:
 
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
         grad_norm = parallel.clip_grad_norm(self.policy.model, max_norm)
+        self.step_grad_norms.append(grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.lr_scheduler.step()
@@ -655,7 +686,7 @@ class Run:
         return grad_norm
 
     def end_step(self, step: int, metrics: dict[str, Any], images: torch.Tensor | None,
-                 postfix: dict[str, str]) -> bool:
+                 postfix: dict[str, str], trace: dict[str, torch.Tensor] | None = None) -> bool:
         """Log ``metrics`` (+ lr, skipped updates, peak and baseline memory over ranks, training seconds so far;
         + ``evaluate`` every --eval_every steps and at the last step), advance the bar, save rank 0's sample grid
         every --sample_every steps (and at step 1), checkpoint every --checkpointing_steps (and at the last step).
@@ -663,6 +694,9 @@ class Run:
         (SIGTERM/SIGINT on any rank: checkpoint now, no evaluation; ``finish`` then skips the export). Raises after
         writing the checkpoint when more than --max_consecutive_skips updates in a row were skipped. A collective:
         every rank calls it, and every rank takes the same decisions (one gather of the ranks' clocks and signals).
+        With --replay_dir it first checks that the ranks used every recorded draw of the step; with --record_dir it
+        writes the step's recording (``trace``: this rank's per-update tensors, e.g. ``loss`` (micro-batches,
+        trained timesteps), and the step's grad norms).
         """
         from fastvideo.logging import peak_memory_gb, save_image_grid
         from fastvideo.seeding import rng_state
@@ -670,6 +704,8 @@ class Run:
         args = self.args
         now = time.perf_counter()
         self.train_seconds += now - self.step_started
+        if self.replay is not None:
+            self.replay.check_step(step)
         seconds, signals = zip(*D.all_gather_object((self.train_seconds, preemption.requested())))
         over_time = bool(args.max_train_seconds) and max(seconds) >= args.max_train_seconds
         stop_signal = next((sig for sig in signals if sig), None)
@@ -687,6 +723,9 @@ class Run:
         if args.nonfinite_reward == "drop":
             metrics["dropped_samples"] = self.dropped_samples
         self.logger.log(step, metrics)
+        if self.recorder is not None:
+            self.recorder.end_step(step, metrics, trace, self.step_grad_norms)
+        self.step_grad_norms = []
         self.bar.update(1)
         self.bar.set_postfix(**{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
         if (images is not None and args.sample_every and (step % args.sample_every == 0 or step == 1)
@@ -739,9 +778,11 @@ class Run:
 def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> Run:
     """The checks before anything expensive, on every rank: the flags (``validate`` -> batch arithmetic, printed by
     rank 0), memory flags, a writable --output_dir (where interrupted saves are cleaned up), the resume checkpoint
-    (complete, undamaged, same algorithm and config fingerprint); then seeds and the noise source. The trainer checks
+    (complete, undamaged, same algorithm and config fingerprint), --record_dir / --replay_dir (``record.open_alignment``);
+    then seeds and the noise source (recording or replaying). The trainer checks
     its own inputs (data, reward spec) next, before ``Run.load_models``."""
-    from fastvideo.seeding import NoiseSource, seed_all, set_deterministic
+    from fastvideo import record
+    from fastvideo.seeding import NoiseSource, seed_all
 
     dist = D.info()
     counts = validate(args, dist.world_size)
@@ -750,16 +791,18 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     check_output_dir(args.output_dir)
     ckpt.clean_interrupted_saves(args.output_dir)  # what a killed save left (the complete checkpoints are intact)
     resume_dir = resolve_resume(args)
+    start_step = 0
     if resume_dir is not None:
-        check_resume_step(resume_dir, args.max_train_steps)
+        start_step = check_resume_step(resume_dir, args.max_train_steps)
         check_resume_checkpoint(resume_dir, config)
+    amp_dtype = compute_dtype(args.mixed_precision, dist.device)
+    noise, recorder, replay = record.open_alignment(args, config, dist, NoiseSource(args.seed, device=args.noise_device),
+                                                    amp_dtype, start_step)
     seed_all(args.seed)
-    set_deterministic(args.deterministic)
     if dist.is_main:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
-    return Run(args=args, dist=dist, counts=counts, config=config, resume_dir=resume_dir,
-               noise=NoiseSource(args.seed, device=args.noise_device),
-               amp_dtype=compute_dtype(args.mixed_precision, dist.device))
+    return Run(args=args, dist=dist, counts=counts, config=config, resume_dir=resume_dir, noise=noise,
+               amp_dtype=amp_dtype, recorder=recorder, replay=replay)
 
 
 def check_output_dir(output_dir: str | Path) -> None:

@@ -213,17 +213,27 @@ def test_offline_full_finetune_from_a_generated_pair_file(tiny_flux_dir, tiny_da
     """python -m fastvideo.preference makes pairs from the model's own samples; a 2-rank full fine-tune trains on
     them against the frozen base (cached latents), exports a transformer folder that differs from the base."""
     from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file
 
     subprocess.run([sys.executable, "-m", "fastvideo.preference", "--model_path", str(tiny_flux_dir),
                     "--data_json_path", str(tiny_data), "--output_dir", str(tmp_path / "pairs"), "--num_pairs", "4",
                     "--num_generations", "3", "--sampling_steps", "4", "--device", "cpu"],
                    check=True, cwd=REPO, capture_output=True, text=True)
     out = tmp_path / "offline"
-    run_torchrun(["train_dpo.py", "--pretrained_model_name_or_path", str(tiny_flux_dir), "--data_json_path",
-                  str(tiny_data), "--output_dir", str(out), "--device", "cpu", "--h", "64", "--w", "64",
-                  "--preference_file", str(tmp_path / "pairs" / "pairs.jsonl"), "--prompts_per_step", "2",
-                  "--train_batch_size", "1", "--learning_rate", "1e-3", "--max_train_steps", "3",
-                  "--sample_every", "2", "--sampling_steps", "4", "--no-progress_bar"])
+    flags = ["train_dpo.py", "--pretrained_model_name_or_path", str(tiny_flux_dir), "--data_json_path",
+             str(tiny_data), "--device", "cpu", "--h", "64", "--w", "64",
+             "--preference_file", str(tmp_path / "pairs" / "pairs.jsonl"), "--prompts_per_step", "2",
+             "--train_batch_size", "1", "--learning_rate", "1e-3", "--max_train_steps", "3",
+             "--sample_every", "2", "--sampling_steps", "4", "--no-progress_bar"]
+    run_torchrun([*flags, "--output_dir", str(out), "--record_dir", str(tmp_path / "rec")])
+    # its recording replays on 1 rank (the pairs' noise and sigmas, the preview's noise) and compare agrees
+    run_torchrun([*flags, "--output_dir", str(tmp_path / "replay"), "--replay_dir", str(tmp_path / "rec"),
+                  "--record_dir", str(tmp_path / "rec-replay")], nproc=1)
+    compared = subprocess.run([sys.executable, "-m", "fastvideo.compare", str(tmp_path / "rec"),
+                               str(tmp_path / "rec-replay")], cwd=REPO, capture_output=True, text=True)
+    assert compared.returncode == 0 and "agree: 3 steps" in compared.stdout, compared.stdout + compared.stderr
+    draws = load_file(str(tmp_path / "rec" / "step-000001" / "draws-rank0.safetensors"))
+    assert any(k.startswith("randn|dpo_eps|") for k in draws) and any(k.startswith("randn|dpo_sigma|") for k in draws)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["trained_pairs"] == 2

@@ -1,0 +1,137 @@
+"""Score a fixed image set with a reward model, batched, on any device: for checking a reward model across devices.
+
+    python -m fastvideo.rewards.score --reward hpsv2 --hps_checkpoint HPS_v2.1_compressed.pt \
+        --images DIR_OR_RECORD [--prompts FILE] --out scores.jsonl [--device npu] [--batch_size 16]
+
+``--images`` is a folder of images (PNG/JPEG/WebP, sorted by path; ``--prompts`` then gives one prompt per line in
+that order, or JSON lines ``{"image": relative path, "prompt": ...}``) or a ``--record_dir`` recording (its images with
+their prompts; ``--prompts`` is not needed). Each output line is ``{"image", "prompt", "total", <component>: ...}``;
+``python -m fastvideo.compare A.jsonl B.jsonl`` compares two such files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]:
+    """``(name, path, prompt)`` of every image to score, in a fixed order (FileNotFoundError / ValueError naming the
+    fix when images or prompts are missing or their counts differ)."""
+    from fastvideo.record import read_jsonl
+
+    if not images.is_dir():
+        raise FileNotFoundError(f"--images {images}: no such folder; pass a folder of images or a --record_dir")
+    if (images / "manifest.json").is_file() and any(images.glob("samples-rank*.jsonl")):  # a recording
+        rows = sorted((r for path in images.glob("samples-rank*.jsonl") for r in read_jsonl(path)),
+                      key=lambda r: (r["step"], r["prompt_id"], r["sample_index"]))
+        found = [(r["image"], images / r["image"], r["prompt"]) for r in rows]
+        missing = [name for name, path, _ in found if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(f"--images {images}: the recording lists {len(missing)} image(s) that are not "
+                                    f"there, e.g. {missing[0]}")
+        if not found:
+            raise ValueError(f"--images {images}: the recording holds no images (record a run that samples)")
+        return found
+    files = sorted(p for p in images.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"--images {images}: no {'/'.join(IMAGE_SUFFIXES)} files there")
+    if prompts is None:
+        raise ValueError(f"--images {images} is a plain folder: pass --prompts FILE (one prompt per image)")
+    if not prompts.is_file():
+        raise FileNotFoundError(f"--prompts {prompts}: no such file")
+    names = [p.relative_to(images).as_posix() for p in files]
+    if prompts.suffix == ".jsonl":
+        by_name = {r["image"]: r["prompt"] for r in read_jsonl(prompts)}
+        lacking = [n for n in names if n not in by_name]
+        if lacking:
+            raise ValueError(f"--prompts {prompts} gives no prompt for {len(lacking)} image(s), e.g. {lacking[0]}; "
+                             "add a line {\"image\": ..., \"prompt\": ...} for each")
+        return [(n, p, by_name[n]) for n, p in zip(names, files)]
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if len(lines) != len(files):
+        raise ValueError(f"--prompts {prompts} has {len(lines)} prompts but --images {images} has {len(files)} images; "
+                         "give one prompt per image, in the images' sorted order (or JSON lines with 'image')")
+    return [(n, p, text) for n, p, text in zip(names, files, lines)]
+
+
+def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
+                 device: torch.device) -> list[dict]:
+    """Score ``items`` in batches of up to ``batch_size`` images of one size; rows in the order of ``items``."""
+    from fastvideo.record import load_png
+
+    rows: list[dict | None] = [None] * len(items)
+    start = 0
+    while start < len(items):
+        first = load_png(items[start][1])
+        batch, index = [first], [start]
+        end = start + 1
+        while end < len(items) and len(batch) < batch_size:
+            image = load_png(items[end][1])
+            if image.shape != first.shape:
+                break
+            batch.append(image)
+            index.append(end)
+            end += 1
+        scores = reward_fn(torch.stack(batch).to(device), [items[i][2] for i in index])
+        for j, i in enumerate(index):
+            name, _, prompt = items[i]
+            rows[i] = {"image": name, "prompt": prompt, **{k: float(v[j]) for k, v in scores.items()}}
+        start = end
+    return rows  # type: ignore[return-value]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from fastvideo.config import RewardOptions, build_parser
+    from fastvideo.training import REWARD_PATH_FLAGS
+
+    parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
+                          exclude=("nonfinite_reward",))  # a trainer's policy; this tool reports what it scores
+    parser.prog = "python -m fastvideo.rewards.score"
+    parser.add_argument("--images", type=Path, required=True, help="a folder of images, or a --record_dir recording")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="one prompt per line in the images' sorted order, or JSON lines {image, prompt} "
+                             "(not needed for a recording)")
+    parser.add_argument("--out", type=Path, required=True, help="scores.jsonl to write")
+    parser.add_argument("--device", default=None, help="cuda | npu | cpu (default: first available in that order)")
+    parser.add_argument("--batch_size", type=int, default=16, help="images per reward call (default: 16)")
+    args = parser.parse_args(argv)
+    args.path_flags = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fastvideo.distributed import pick_device_type
+    from fastvideo.rewards import build_reward, parse_reward_spec
+
+    args = parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+        parse_reward_spec(args.reward)
+        items = image_set(args.images, args.prompts)
+        device = torch.device(pick_device_type(args.device))
+        reward_fn = build_reward(args.reward, device, **args.path_flags)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = score_images(reward_fn, items, args.batch_size, device)
+    seconds = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    means = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k not in ("image", "prompt")}
+    print(f"scored {len(rows)} images on {device} in {seconds:.1f} s ({len(rows) / max(seconds, 1e-9):.1f} images/s): "
+          + ", ".join(f"{k} {v:.6g}" for k, v in means.items()) + f"\nscores: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
