@@ -113,13 +113,17 @@ def environment(device: torch.device, compute_dtype: torch.dtype | None) -> dict
             pass
     if device.type == "cuda":
         versions["cuda"] = torch.version.cuda
-    commit = None
+    commit = dirty = None
+    here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
-                                capture_output=True, timeout=10).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, text=True, capture_output=True,
+                                timeout=10).stdout.strip() or None
+        if commit:  # uncommitted edits to tracked files: the commit alone does not name the code that ran
+            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, text=True,
+                                        capture_output=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"versions": versions, "git_commit": commit, "host": platform.node(),
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node(),
             "device": {"type": device.type, "name": name},
             "compute_dtype": str(compute_dtype or torch.float32).replace("torch.", "")}
 
@@ -139,10 +143,16 @@ class Recorder:
         return step == 1 or step % self.every == 0
 
     def start(self, manifest: dict, resume_step: int) -> None:
-        """Create the folder (rank 0 writes the manifest); on resume, forget what was recorded after the resumed
-        step so the recording reads as one uninterrupted run."""
+        """Create the folder (rank 0 writes the manifest); when it continues its own recording (a resumed or
+        restarted run), forget what was recorded after ``resume_step`` so the recording reads as one uninterrupted
+        run. Collective-free: every rank's later writes follow collectives of model loading."""
+        import shutil
+
         self.root.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
+            for folder in self.root.glob("step-*"):
+                if folder.is_dir() and int(folder.name.split("-")[1]) > resume_step:
+                    shutil.rmtree(folder)
             (self.root / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         for name in (f"samples-rank{self.rank}.jsonl", f"updates-rank{self.rank}.jsonl") + (
                 ("steps.jsonl",) if self.rank == 0 else ()):
@@ -380,31 +390,43 @@ def check_replay(replay_dir: str | Path, config: dict, first_step: int, last_ste
                          "or record every step (--record_every 1)")
 
 
-def check_record_dir(record_dir: str | Path, replay_dir: str | None, resuming: bool) -> None:
-    """--record_dir is writable and holds no other recording (a resumed run continues its own)."""
+def check_record_dir(record_dir: str | Path, replay_dir: str | None, fingerprint: str | None) -> None:
+    """--record_dir is empty, or holds this run's own recording (same config fingerprint: a resumed or restarted
+    run continues it); never another run's, and never the --replay_dir."""
     root = Path(record_dir)
     if replay_dir is not None and root.resolve() == Path(replay_dir).resolve():
         raise ValueError(f"--record_dir and --replay_dir are the same folder ({root}); record the replay elsewhere")
-    if root.exists() and any(root.iterdir()) and not resuming:
-        raise ValueError(f"--record_dir {root} is not empty (it holds another recording); choose an empty folder")
+    if root.is_file():
+        raise ValueError(f"--record_dir {root} is a file; pass a folder")
+    if not root.exists() or not any(root.iterdir()):
+        return
+    manifest = root / "manifest.json"
+    own = manifest.is_file() and fingerprint is not None and \
+        json.loads(manifest.read_text()).get("config_fingerprint") == fingerprint
+    if not own:
+        raise ValueError(f"--record_dir {root} is not empty and not this run's recording (its flags differ); choose "
+                         "an empty folder")
 
 
 def open_alignment(args: argparse.Namespace, config: dict, dist: D.DistInfo, noise: NoiseSource,
-                   compute_dtype: torch.dtype | None, start_step: int) -> tuple[NoiseSource, Recorder | None,
-                                                                                Replay | None]:
+                   compute_dtype: torch.dtype | None, start_step: int, fingerprint: str | None = None
+                   ) -> tuple[NoiseSource, Recorder | None, Replay | None]:
     """Set up --record_dir / --replay_dir (checked first, on every rank, before any model loads): returns the noise
-    source the run draws from (recording or replaying), the recorder and the replay (None when off)."""
+    source the run draws from (recording or replaying), the recorder and the replay (None when off).
+    ``fingerprint``: the run's config fingerprint (``training.run_identity``), kept in the manifest so that a resumed
+    or restarted run continues its own recording."""
     recorder = replay = None
     if args.replay_dir is not None:
         check_replay(args.replay_dir, config, start_step + 1, args.max_train_steps)
         replay = Replay(args.replay_dir, images=args.replay_images)
     if args.record_dir is not None:
-        check_record_dir(args.record_dir, args.replay_dir, resuming=start_step > 0)
+        check_record_dir(args.record_dir, args.replay_dir, fingerprint)
         D.barrier()  # every rank has looked at the folder before rank 0 writes into it
         recorder = Recorder(args.record_dir, dist.rank, args.record_every)
         manifest = {"format": FORMAT, "algorithm": config.get("algorithm"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "world_size": dist.world_size, "record_every": args.record_every,
-                    "replayed_from": args.replay_dir, **environment(dist.device, compute_dtype),
+                    "config_fingerprint": fingerprint, "replayed_from": args.replay_dir,
+                    **environment(dist.device, compute_dtype),
                     "noise_device": str(noise.device), "flags": config}
         recorder.start(manifest, start_step)
     if replay is not None:

@@ -797,7 +797,7 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
         check_resume_checkpoint(resume_dir, config)
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     noise, recorder, replay = record.open_alignment(args, config, dist, NoiseSource(args.seed, device=args.noise_device),
-                                                    amp_dtype, start_step)
+                                                    amp_dtype, start_step, run_identity(config)["config_fingerprint"])
     seed_all(args.seed)
     if dist.is_main:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
