@@ -34,9 +34,9 @@ from fastvideo.seeding import NoiseSource
 
 FORMAT = 1
 # Flags that decide which random draws a step makes and their shapes: a replay must share them with the recording.
+# (Data and pair files may sit at other paths on the other machine: what they hold is checked through the draws' keys.)
 REPLAY_KEYS = ("algorithm", "seed", "num_generations", "prompts_per_step", "sampling_steps", "h", "w", "eta",
-               "sde_window_size", "sde_window_range", "init_same_noise", "timestep_fraction", "timesteps_per_pair",
-               "preference_file")
+               "sde_window_size", "sde_window_range", "init_same_noise", "timestep_fraction", "timesteps_per_pair")
 
 
 def step_dir(root: Path, step: int) -> Path:

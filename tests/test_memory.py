@@ -88,7 +88,8 @@ def large_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kl", [False, True], ids=["policy", "policy+reference"])
+# the policy-only variant is opt-in (-m slow): the policy+reference variant loads the policy the same way and more
+@pytest.mark.parametrize("kl", [pytest.param(False, marks=pytest.mark.slow), True], ids=["policy", "policy+reference"])
 def test_sharded_loading_rss(large_dir, kl):
     """Peak RSS increase while building, sharding and loading the policy (and the frozen reference of a full
     fine-tune with --kl_beta): the sum over 2 ranks <= 1.3 x one process; the old path (every rank loads the whole
@@ -210,7 +211,12 @@ def bench_data(bench_dir, tmp_path_factory) -> Path:
     return make_embeddings(bench_dir, tmp_path_factory.mktemp("bench-emb"), 8)
 
 
-@pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []), ("train_grpo_flux.py", ["--lora_rank", "8"]),
+# LoRA is opt-in (-m slow) to keep the default suite near 15 minutes: its plan items (adapter state, the unsharded
+# gradient accumulation of --gradient_sync step) are checked by test_plan_arithmetic_for_flux_dev, its activations by
+# test_activation_extrapolation_equals_the_full_trace; this measures the whole plan against a run
+@pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []),
+                                         pytest.param("train_grpo_flux.py", ["--lora_rank", "8"],
+                                                      marks=pytest.mark.slow),
                                          ("train_nft.py", ["--kl_beta", "1e-4"])], ids=["full", "lora", "nft-full"])
 def test_planner_within_25_percent_of_measured_peak(bench_dir, bench_data, tmp_path, script, mode):
     """bench preset (10M params, 256 px, 512 text tokens), 2 ranks, 2 steps: the plan's peak per rank vs the
