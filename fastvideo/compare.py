@@ -14,8 +14,8 @@ the runs diverge beyond tolerance, checking the stages in the order a step runs 
 
 and exits 1 when a tolerance is exceeded (0 when the runs agree, 2 for unusable input). A relative difference is
 ``|a - b| / max(|a|, |b|, floor)``; the floor of the loss and grad norm is their median magnitude over run A, so a
-loss that crosses zero is not flagged for a tiny absolute gap (for the loss, the larger of that and the per-update losses'
-median magnitude: GRPO's step loss is ~0 by construction). For score files (``fastvideo.rewards.score``) it
+loss that crosses zero is not flagged for a tiny absolute gap (for the loss, the larger of that and the per-update
+losses' median magnitude: GRPO's step loss is ~0 by construction). For score files (``fastvideo.rewards.score``) it
 matches images by name and compares every reward component.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from fastvideo.record import load_png, read_jsonl, step_dir
+from fastvideo.record import load_png, read_jsonl
 
 STAGES = ("rollout", "reward", "train")
 
@@ -138,7 +138,8 @@ def compare_recordings(a: Recording, b: Recording, args: argparse.Namespace) -> 
         keys_b = {k for k in b.samples if k[0] == step}
         if keys_a != keys_b:
             only = sorted(keys_a ^ keys_b)[:4]
-            raise ValueError(f"step {step}: the recordings hold different samples (e.g. (step, prompt, sample) {only}); "
+            raise ValueError(f"step {step}: the recordings hold different samples (e.g. (step, prompt, sample) "
+                             f"{only}); "
                              "they did not sample the same prompts: compare runs of the same data, --seed and batch "
                              "flags, or a recording with its replay")
         keys = sorted(keys_a)
@@ -263,7 +264,8 @@ def compare_scores(path_a: Path, path_b: Path, args: argparse.Namespace) -> int:
     for comp in components:
         pairs = [(float(a[n][comp]), float(b[n].get(comp, math.nan))) for n in names]
         rels = [rel_diff(x, y) for x, y in pairs]
-        print(f"{comp:<24} {max(abs(x - y) for x, y in pairs):>11.4g} {max(rels):>11.4g} {sum(rels) / len(rels):>11.4g}")
+        worst_abs = max(abs(x - y) for x, y in pairs)
+        print(f"{comp:<24} {worst_abs:>11.4g} {max(rels):>11.4g} {sum(rels) / len(rels):>11.4g}")
         if comp == "total":
             worst_total = max(rels)
     if args.plot:

@@ -213,7 +213,8 @@ class Recorder:
         updates += [{"step": int(step), "optimizer_step": i, "grad_norm": float(g)} for i, g in enumerate(grad_norms)]
         _append_jsonl(self.root / f"updates-rank{self.rank}.jsonl", updates)
         if self.rank == 0:
-            _append_jsonl(self.root / "steps.jsonl", [{"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}])
+            row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+            _append_jsonl(self.root / "steps.jsonl", [row])
 
 
 class RecordingNoise(NoiseSource):
@@ -296,8 +297,8 @@ class Replay:
         with safe_open(str(keys[key]), "pt") as f:
             value = f.get_tensor(key)
         if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"replay: step {step}, draw {key!r}: the recording has shape {tuple(value.shape)} but this "
-                             f"run asks for {tuple(shape)}; {self.HINT}")
+            raise ValueError(f"replay: step {step}, draw {key!r}: the recording has shape {tuple(value.shape)} but "
+                             f"this run asks for {tuple(shape)}; {self.HINT}")
         self.used.setdefault(step, set()).add(key)
         return value
 
@@ -423,7 +424,8 @@ def open_alignment(args: argparse.Namespace, config: dict, dist: D.DistInfo, noi
         check_record_dir(args.record_dir, args.replay_dir, fingerprint)
         D.barrier()  # every rank has looked at the folder before rank 0 writes into it
         recorder = Recorder(args.record_dir, dist.rank, args.record_every)
-        manifest = {"format": FORMAT, "algorithm": config.get("algorithm"), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        manifest = {"format": FORMAT, "algorithm": config.get("algorithm"),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "world_size": dist.world_size, "record_every": args.record_every,
                     "config_fingerprint": fingerprint, "replayed_from": args.replay_dir,
                     **environment(dist.device, compute_dtype),

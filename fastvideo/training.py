@@ -171,8 +171,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
                                              **shard_kwargs)
             weights.load_safetensors_into(old_model, folder)
         old = OldPolicy(transformer, old_model)
-    param_dtype = compute_dtype(args.mixed_precision, device) if _fsdp_precision(args.mixed_precision, device) == "bf16" \
-        else torch.float32
+    param_dtype = compute_dtype(args.mixed_precision, device) or torch.float32  # FSDP's param_dtype in the forward
     for model in (transformer, frozen_ref, old.old_model if old is not None else None):
         done = flux.prepare_for_device(model, device, param_dtype=param_dtype) if model is not None else []
         if done and D.is_main_process() and model is transformer:
@@ -778,9 +777,9 @@ class Run:
 def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> Run:
     """The checks before anything expensive, on every rank: the flags (``validate`` -> batch arithmetic, printed by
     rank 0), memory flags, a writable --output_dir (where interrupted saves are cleaned up), the resume checkpoint
-    (complete, undamaged, same algorithm and config fingerprint), --record_dir / --replay_dir (``record.open_alignment``);
-    then seeds and the noise source (recording or replaying). The trainer checks
-    its own inputs (data, reward spec) next, before ``Run.load_models``."""
+    (complete, undamaged, same algorithm and config fingerprint), --record_dir / --replay_dir
+    (``record.open_alignment``); then seeds and the noise source (recording or replaying). The trainer checks its own
+    inputs (data, reward spec) next, before ``Run.load_models``."""
     from fastvideo import record
     from fastvideo.seeding import NoiseSource, seed_all
 

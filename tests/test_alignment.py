@@ -111,7 +111,8 @@ def test_two_rank_recording_replays_on_one_rank(grpo_alignment):
     from safetensors.torch import load_file
 
     for step in (1, 2):
-        recorded = {k: v for r in (0, 1) for k, v in load_file(str(rec / f"step-00000{step}/draws-rank{r}.safetensors")).items()}
+        recorded = {k: v for r in (0, 1)
+                    for k, v in load_file(str(rec / f"step-00000{step}/draws-rank{r}.safetensors")).items()}
         replayed = load_file(str(replay / f"step-00000{step}/draws-rank0.safetensors"))
         assert set(recorded) == set(replayed)
         assert all(torch.equal(recorded[k], replayed[k]) for k in recorded)
