@@ -104,6 +104,7 @@ class StepDiff:
     image_psnr_min: float  # the worst single image's PSNR
     stage: str | None = None  # the first stage beyond tolerance
     why: str = ""
+    images: list[dict] = field(default_factory=list)  # per image: prompt_id, sample_index, max_abs, psnr
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -148,7 +149,7 @@ def compare_recordings(a: Recording, b: Recording, args: argparse.Namespace) -> 
             reward_b = _mean([float(b.samples[k]["rewards"]["total"]) for k in keys])
         else:  # offline DPO samples nothing: its logged means are all there is
             reward_a, reward_b = _metric(a, step, "reward_mean"), _metric(b, step, "reward_mean")
-        worst_abs, mses = 0.0, []
+        worst_abs, mses, per_image = 0.0, [], []
         for k in keys:
             pa, pb = a.root / a.samples[k]["image"], b.root / b.samples[k]["image"]
             if pa.is_file() and pb.is_file():
@@ -159,6 +160,8 @@ def compare_recordings(a: Recording, b: Recording, args: argparse.Namespace) -> 
                 diff = (da - db).abs()
                 worst_abs = max(worst_abs, float(diff.max()))
                 mses.append(float(diff.pow(2).mean()))
+                per_image.append({"prompt_id": k[1], "sample_index": k[2], "max_abs": float(diff.max()),
+                                  "psnr": psnr(mses[-1])})
         logprob = max((float(((a.log_probs[k] - b.log_probs[k]).abs() /
                              torch.maximum(torch.maximum(a.log_probs[k].abs(), b.log_probs[k].abs()),
                                            torch.tensor(1e-6))).max())
@@ -169,7 +172,7 @@ def compare_recordings(a: Recording, b: Recording, args: argparse.Namespace) -> 
                      loss=rel_diff(_metric(a, step, "loss"), _metric(b, step, "loss"), loss_floor),
                      grad_norm=rel_diff(_metric(a, step, "grad_norm"), _metric(b, step, "grad_norm"), grad_floor),
                      image_max_abs=worst_abs, image_psnr=psnr(_mean(mses)) if mses else math.inf,
-                     image_psnr_min=min((psnr(m) for m in mses), default=math.inf))
+                     image_psnr_min=min((psnr(m) for m in mses), default=math.inf), images=per_image)
         checks = (("rollout", d.image_psnr < args.image_psnr_min,
                    f"image PSNR {d.image_psnr:.1f} dB < --image_psnr_min {args.image_psnr_min:g}"),
                   ("rollout", d.logprob > args.logprob_rtol,
@@ -192,7 +195,7 @@ def _fmt(value: float, spec: str = ".3g") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def print_table(a: Recording, b: Recording, diffs: list[StepDiff]) -> None:
+def print_table(a: Recording, b: Recording, diffs: list[StepDiff], per_image: bool = False) -> None:
     print(f"A: {a.name}\nB: {b.name}")
     header = (f"{'step':>5} {'reward A':>11} {'reward B':>11} {'Δreward':>9} {'PSNR dB':>8} {'min PSNR':>8} "
               f"{'max|Δpx|':>8} {'Δlogprob':>9} {'Δloss':>9} {'Δgrad':>9}  stage")
@@ -201,6 +204,9 @@ def print_table(a: Recording, b: Recording, diffs: list[StepDiff]) -> None:
         print(f"{d.step:>5} {_fmt(d.reward_a, '.5g'):>11} {_fmt(d.reward_b, '.5g'):>11} {_fmt(d.reward):>9} "
               f"{_fmt(d.image_psnr, '.1f'):>8} {_fmt(d.image_psnr_min, '.1f'):>8} {_fmt(d.image_max_abs, '.3f'):>8} "
               f"{_fmt(d.logprob):>9} {_fmt(d.loss):>9} {_fmt(d.grad_norm):>9}  {d.stage or 'ok'}")
+        for image in d.images if per_image else ():
+            name = f"p{image['prompt_id']}-s{image['sample_index']}"
+            print(f"{'':>5}   image {name}: PSNR {_fmt(image['psnr'], '.1f')} dB, max|Δpx| {image['max_abs']:.3f}")
 
 
 def plot(a: Recording, b: Recording, diffs: list[StepDiff], path: Path, args: argparse.Namespace) -> None:
@@ -312,7 +318,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="step mean grad norm relative difference allowed (default: 0.05)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG to write (default for recordings: RUN_B/compare.png; score files: none)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the per-step table as JSON here")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the per-step table (with every image's PSNR and max |Δpx|) as JSON here")
+    parser.add_argument("--per_image", action="store_true",
+                        help="print every image's PSNR and max |Δpx| under its step")
     return parser.parse_args(argv)
 
 
@@ -332,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print_table(a, b, diffs)
+    print_table(a, b, diffs, per_image=args.per_image)
     plot_path = args.plot or b_path / "compare.png"
     plot(a, b, diffs, plot_path, args)
     if args.json:
