@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from fastvideo.record import load_png, read_jsonl
+from fastvideo.record import load_image, read_jsonl
 
 STAGES = ("rollout", "reward", "train")
 
@@ -153,7 +153,7 @@ def compare_recordings(a: Recording, b: Recording, args: argparse.Namespace) -> 
         for k in keys:
             pa, pb = a.root / a.samples[k]["image"], b.root / b.samples[k]["image"]
             if pa.is_file() and pb.is_file():
-                da, db = load_png(pa), load_png(pb)
+                da, db = load_image(pa), load_image(pb)
                 if da.shape != db.shape:
                     raise ValueError(f"step {step}: image {pa.name} is {tuple(da.shape)} in A but {tuple(db.shape)} "
                                      "in B; compare runs of the same --h/--w")

@@ -11,7 +11,8 @@ import torch
 from fastvideo import devices
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A metric as JSON takes it: tensors become floats (one element) or lists, other values pass through."""
     if isinstance(value, torch.Tensor):
         value = value.detach().float().cpu()
         return value.item() if value.numel() == 1 else value.tolist()
@@ -24,6 +25,15 @@ def _step_of(line: str) -> int | None:
         return int(json.loads(line).get("step", 0))
     except (ValueError, AttributeError):
         return None
+
+
+def truncate_jsonl(path: str | Path, last_step: int) -> None:
+    """Keep the complete lines of a per-step JSONL file whose step is <= ``last_step`` (a resumed run drops what the
+    interrupted one logged after its checkpoint, and a line torn by a kill)."""
+    path = Path(path)
+    kept = [line for line in path.read_text(errors="replace").splitlines()
+            if _step_of(line) is not None and _step_of(line) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 class MetricsLogger:
@@ -42,9 +52,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text(errors="replace").splitlines()
-                    if _step_of(line) is not None and _step_of(line) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            truncate_jsonl(self.path, resume_step)
         elif resume_step is None and self.path.exists():
             # a fresh run in a folder with a log but no checkpoint: keep the old log beside the new one
             self.path.replace(self.path.with_name("metrics.previous.jsonl"))
@@ -66,7 +74,7 @@ class MetricsLogger:
         """Write ``metrics`` for ``step`` (tensors become floats/lists)."""
         if not self.enabled:
             return
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: plain_value(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row, allow_nan=True) + "\n")
         scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}

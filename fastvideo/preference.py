@@ -175,18 +175,16 @@ def read_preference_file(path: str | os.PathLike, prompts: list[str], height: in
 # ---------------------------------------------------------------------------------------- latent cache
 def load_images(paths: Sequence[Path], height: int, width: int) -> torch.Tensor:
     """Images at ``paths`` as RGB float32 (B, 3, H, W) in [0, 1]; ValueError if one is not ``width`` x ``height``."""
-    import numpy as np
-    from PIL import Image
+    from fastvideo.record import load_image
 
-    arrays = []
+    images = []
     for path in paths:
-        with Image.open(path) as image:
-            if image.size != (width, height):
-                raise ValueError(f"{path} is {image.size[0]}x{image.size[1]}, expected {width}x{height}; it changed "
-                                 "after the pair file was checked: fix it and re-run")
-            arrays.append(np.asarray(image.convert("RGB")))
-    pixels = torch.from_numpy(np.stack(arrays))  # (B, H, W, 3) uint8
-    return pixels.permute(0, 3, 1, 2).float().div(255.0)
+        image = load_image(path)
+        if tuple(image.shape[1:]) != (height, width):
+            raise ValueError(f"{path} is {image.shape[2]}x{image.shape[1]}, expected {width}x{height}; it changed "
+                             "after the pair file was checked: fix it and re-run")
+        images.append(image)
+    return torch.stack(images)
 
 
 def _sha256_json(value: Any) -> str:

@@ -29,7 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
+from fastvideo import devices
 from fastvideo import distributed as D
+from fastvideo.logging import plain_value, truncate_jsonl
 from fastvideo.seeding import NoiseSource
 
 FORMAT = 1
@@ -60,8 +62,8 @@ def save_png(image: torch.Tensor, path: Path) -> None:
     Image.fromarray(array.permute(1, 2, 0).numpy()).save(path)
 
 
-def load_png(path: Path) -> torch.Tensor:
-    """An image file as (3, H, W) float32 in [0, 1]."""
+def load_image(path: Path) -> torch.Tensor:
+    """An image file (PNG, JPEG, ...) as RGB (3, H, W) float32 in [0, 1]."""
     import numpy as np
     from PIL import Image
 
@@ -87,13 +89,6 @@ def _append_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
 
 
-def _plain(value: Any) -> Any:
-    if torch.is_tensor(value):
-        value = value.detach().float().cpu()
-        return value.item() if value.numel() == 1 else value.tolist()
-    return value
-
-
 def environment(device: torch.device, compute_dtype: torch.dtype | None) -> dict:
     """What a recording says about where it was made: library versions, git commit, device and compute dtype."""
     import importlib.metadata as md
@@ -105,7 +100,7 @@ def environment(device: torch.device, compute_dtype: torch.dtype | None) -> dict
         except md.PackageNotFoundError:
             pass
     name = platform.processor() or platform.machine()
-    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    module = devices.device_module(device)
     if module is not None and hasattr(module, "get_device_name"):
         try:
             name = module.get_device_name(device)
@@ -156,10 +151,8 @@ class Recorder:
             (self.root / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         for name in (f"samples-rank{self.rank}.jsonl", f"updates-rank{self.rank}.jsonl") + (
                 ("steps.jsonl",) if self.rank == 0 else ()):
-            path = self.root / name
-            if path.exists():
-                kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= resume_step]
-                path.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+            if (self.root / name).exists():
+                truncate_jsonl(self.root / name, resume_step)
 
     def add_draw(self, step: int, key: str, value: torch.Tensor) -> None:
         if self.records(step):
@@ -213,7 +206,7 @@ class Recorder:
         updates += [{"step": int(step), "optimizer_step": i, "grad_norm": float(g)} for i, g in enumerate(grad_norms)]
         _append_jsonl(self.root / f"updates-rank{self.rank}.jsonl", updates)
         if self.rank == 0:
-            row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+            row = {"step": int(step), **{k: plain_value(v) for k, v in metrics.items()}}
             _append_jsonl(self.root / "steps.jsonl", [row])
 
 
@@ -263,8 +256,7 @@ class Replay:
         self.used: dict[int, set[str]] = {}
 
     def recorded_steps(self) -> list[int]:
-        return sorted(int(p.name.split("-")[1]) for p in self.root.glob("step-*")
-                      if any(p.glob("draws-rank*.safetensors")))
+        return recorded_steps(self.root)
 
     def _keys(self, step: int) -> dict[str, Path]:
         """key -> the file holding it, over every rank's draws of ``step`` (read from the headers only)."""
@@ -323,7 +315,7 @@ class Replay:
             if not path.is_file():
                 raise ValueError(f"--replay_images: {path} is missing (the recording has no image of prompt {p}, "
                                  f"sample {s} at step {step}); {self.HINT}")
-            out.append(load_png(path))
+            out.append(load_image(path))
         images = torch.stack(out)
         if images.shape[1:] != like.shape[1:]:
             raise ValueError(f"--replay_images: the recorded images are {tuple(images.shape[1:])} but this run decodes "
@@ -359,6 +351,12 @@ class ReplayNoise(NoiseSource):
         return self._take("randperm", step, prompt_id, sample_index, purpose, (n,))
 
 
+def recorded_steps(root: Path) -> list[int]:
+    """The steps of a recording that hold random draws."""
+    return sorted(int(p.name.split("-")[1]) for p in Path(root).glob("step-*")
+                  if any(p.glob("draws-rank*.safetensors")))
+
+
 def _ranges(steps: Sequence[int]) -> str:
     return ", ".join(str(s) for s in steps[:8]) + (" ..." if len(steps) > 8 else "") if steps else "none"
 
@@ -382,7 +380,7 @@ def check_replay(replay_dir: str | Path, config: dict, first_step: int, last_ste
         raise ValueError(f"--replay_dir {root} was recorded with other flags that decide the draws ({'; '.join(diffs)})"
                          "; use the recorded values (a replay may change the model, device, dtype or code, not what "
                          "is drawn)")
-    recorded = set(Replay(root).recorded_steps())
+    recorded = set(recorded_steps(root))
     missing = [s for s in range(first_step, last_step + 1) if s not in recorded]
     if missing:
         have = sorted(recorded)
@@ -439,5 +437,5 @@ def open_alignment(args: argparse.Namespace, config: dict, dist: D.DistInfo, noi
 
 
 __all__: list[str] = ["FORMAT", "REPLAY_KEYS", "Recorder", "RecordingNoise", "Replay", "ReplayNoise", "check_replay",
-                      "check_record_dir", "environment", "image_name", "load_png", "open_alignment", "read_jsonl",
+                      "check_record_dir", "environment", "image_name", "load_image", "open_alignment", "read_jsonl",
                       "save_png", "step_dir"]

@@ -259,7 +259,7 @@ def test_score_a_folder_of_images_batched_and_compare_two_score_files(tmp_path):
     out = subprocess.run([*cli, "--out", str(tmp_path / "a.jsonl")], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     rows = record.read_jsonl(tmp_path / "a.jsonl")
-    expected = build_reward("jpeg_compressibility")(torch.stack([record.load_png(folder / f"img{i}.png")
+    expected = build_reward("jpeg_compressibility")(torch.stack([record.load_image(folder / f"img{i}.png")
                                                                  for i in range(5)]), ["p"] * 5)["total"]
     assert [r["image"] for r in rows] == [f"img{i}.png" for i in range(5)] and rows[3]["prompt"] == "prompt 3"
     assert [r["total"] for r in rows] == pytest.approx(expected.tolist(), rel=1e-7)

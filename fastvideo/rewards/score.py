@@ -65,16 +65,16 @@ def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]
 def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
                  device: torch.device) -> list[dict]:
     """Score ``items`` in batches of up to ``batch_size`` images of one size; rows in the order of ``items``."""
-    from fastvideo.record import load_png
+    from fastvideo.record import load_image
 
     rows: list[dict | None] = [None] * len(items)
     start = 0
     while start < len(items):
-        first = load_png(items[start][1])
+        first = load_image(items[start][1])
         batch, index = [first], [start]
         end = start + 1
         while end < len(items) and len(batch) < batch_size:
-            image = load_png(items[end][1])
+            image = load_image(items[end][1])
             if image.shape != first.shape:
                 break
             batch.append(image)
