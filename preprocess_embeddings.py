@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
-
-import torch
 
 from fastvideo import distributed
-from fastvideo.data import DEFAULT_SHARD_SIZE, DTYPES, EmbeddingWriter, StoreSpec, read_prompt_file
-from fastvideo.weights import check_weight_files
+from fastvideo.config import add_config_flag, parse_with_config
+from fastvideo.data import DEFAULT_SHARD_SIZE, DTYPES, open_prompt_store, write_prompt_store
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (every flag has its unit in the help)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_config_flag(p)
     p.add_argument("--model_path", required=True,
                    help="diffusers FLUX folder (needs text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
     p.add_argument("--prompt_file", required=True, help="UTF-8 text file, one prompt per line, blank lines skipped")
@@ -35,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda, npu or cpu (default: the first available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="text-encoder compute and storage dtype (bf16 halves disk and memory for FLUX.1-dev)")
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv)
     if not 1 <= args.max_sequence_length <= 512:
         p.error(f"--max_sequence_length must be in [1, 512] (FLUX's T5 limit), got {args.max_sequence_length}")
     if args.batch_size < 1:
@@ -45,48 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Validate inputs, encode this rank's unfinished shards, then rank 0 writes the manifest."""
-    from fastvideo.flux import (TEXT_COMPONENTS, check_model_folder, encode_prompts, encoders_fingerprint,
-                                load_text_encoders)
-
     args = parse_args(argv)
-    # --- validate everything before any expensive work ---
-    prompts = read_prompt_file(args.prompt_file)
-    model_path = check_model_folder(args.model_path, TEXT_COMPONENTS).resolve()
-    for component in ("text_encoder", "text_encoder_2"):  # headers only: a corrupt file fails here, not mid-load
-        check_weight_files(model_path / component)
-    spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=encoders_fingerprint(model_path),
-                     max_sequence_length=args.max_sequence_length, dtype=args.dtype, shard_size=args.shard_size)
-    writer = EmbeddingWriter(Path(args.output_dir), prompts, spec, prompt_file=str(Path(args.prompt_file).resolve()))
-    writer.check_existing()
-
+    writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
+                               max_sequence_length=args.max_sequence_length, dtype=args.dtype,
+                               shard_size=args.shard_size)
     dist = distributed.init_distributed(args.device)
     start = time.perf_counter()
-    mine = writer.shards_for_rank(dist.rank, dist.world_size)
-    todo = [s for s in mine if not writer.is_complete(s)]
-
-    # --- encode this rank's unfinished shards ---
-    if todo:
-        encoders = load_text_encoders(model_path, dtype=DTYPES[args.dtype], device=dist.device)
-        for shard in todo:
-            texts = writer.prompts_of(shard)
-            embeds, pooled, truncated = [], [], []
-            for i in range(0, len(texts), args.batch_size):
-                with torch.no_grad():
-                    e, p, t = encode_prompts(encoders, texts[i:i + args.batch_size],
-                                             max_sequence_length=args.max_sequence_length)
-                embeds.append(e.cpu())  # (b, T, D)
-                pooled.append(p.cpu())  # (b, Dp)
-                truncated.extend(bool(x) for x in t)
-            writer.write_shard(shard, torch.cat(embeds), torch.cat(pooled), truncated)
-
-    # --- rank 0 checks every shard and writes the manifest ---
-    counts = distributed.all_gather_object((len(todo), len(mine) - len(todo)))
-    distributed.barrier()
+    done = write_prompt_store(writer, device=dist.device, batch_size=args.batch_size)
     if dist.is_main:
-        manifest = writer.finalize()
-        encoded, kept = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        manifest, spec = done["manifest"], writer.spec
         print(f"[preprocess] {manifest['num_prompts']} prompts in {len(manifest['shards'])} shards "
-              f"(encoded {encoded}, kept {kept} finished) on {dist.world_size} rank(s) in "
+              f"(encoded {done['encoded']}, kept {done['kept']} finished) on {dist.world_size} rank(s) in "
               f"{time.perf_counter() - start:.1f}s; {manifest['num_truncated']} truncated (T5 > "
               f"max_sequence_length={spec.max_sequence_length} or CLIP > 77 tokens); dtype {spec.dtype}; "
               f"-> {writer.output_dir / 'manifest.json'}", flush=True)

@@ -34,8 +34,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = {"grpo": "scripts/finetune_flux_grpo.sh", "dpo": "scripts/finetune_flux_dpo.sh",
              "nft": "scripts/finetune_flux_nft.sh"}
-METRIC = "eval_toyworld_strict"
-SCORE = "eval_toyworld"
+METRIC = "eval/reward_toyworld_strict"
+SCORE = "eval/reward_toyworld"
 
 # The published defaults, scaled down. Flags not named here are the toy-world demo's (launcher) values.
 PUBLISHED: dict[str, dict[str, str]] = {

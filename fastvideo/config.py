@@ -173,12 +173,16 @@ class RewardOptions:
 
 @dataclass
 class EvalOptions:
-    eval_data_json_path: str | None = opt(
-        None, "embeddings manifest of evaluation prompts (e.g. held-out ones): each is sampled once with the "
-        "deterministic Euler sampler at --sampling_steps (fixed noise), scored with --reward and logged as eval_* "
-        "metrics before step 1, every --eval_every steps and at the last step (off if unset)")
+    eval_prompts: str | None = opt(
+        None, "held-out evaluation prompts: a prompt file (one per line; encoded once into OUTPUT_DIR/eval_embeddings "
+        "with the model's text encoders, before the policy loads) or an embeddings manifest with the training "
+        "data's --max_sequence_length. Each prompt is sampled --eval_num_images times with the deterministic Euler "
+        "sampler at --sampling_steps from fixed noise (the same at every evaluation), scored with --reward and "
+        "logged as eval/reward_* before step 1 (the baseline), every --eval_every steps and at the last step; "
+        "OUTPUT_DIR/samples/eval-step-N.png shows up to 16 of them (off if unset)")
     eval_every: int = opt(0, "evaluate every N training steps (0 = only before step 1 and after the last step)")
-    eval_max_prompts: int = opt(0, "evaluate the first N prompts of --eval_data_json_path (0 = all)")
+    eval_max_prompts: int = opt(0, "evaluate the first N prompts of --eval_prompts (0 = all)")
+    eval_num_images: int = opt(1, "images per evaluation prompt, each with its own fixed noise (sample index k)")
 
 
 @dataclass
@@ -187,7 +191,44 @@ class LoggingOptions:
     log_to: tuple[str, ...] = opt(("jsonl",), "metric sinks: jsonl (always) tensorboard wandb", nargs="+",
                             choices=("jsonl", "tensorboard", "wandb"))
     wandb_project: str = opt("flux-grpo", "W&B project when --log_to wandb")
+    wandb_mode: str | None = opt(None, "W&B mode: online | offline (logs under OUTPUT_DIR/wandb; `wandb sync` "
+                                       "uploads them) | disabled (default: the WANDB_MODE variable, else online)",
+                                 choices=("online", "offline", "disabled"))
     progress_bar: bool = opt(True, "show a tqdm progress bar on rank 0 (--no-progress_bar to hide)")
+
+
+@dataclass
+class SampleOptions:
+    pretrained_model_name_or_path: str | None = opt(
+        None, "local diffusers FLUX folder (text encoders, VAE, and the transformer unless --transformer_path); "
+        "required")
+    lora_path: str | None = opt(None, "LoRA folder applied to the base transformer: a trainer's OUTPUT_DIR/final "
+                                      "(--lora_rank > 0) or any folder FluxPipeline.load_lora_weights loads")
+    transformer_path: str | None = opt(None, "full transformer folder used instead of the base one: a trainer's "
+                                             "OUTPUT_DIR/final of a full fine-tune")
+    prompts: str | None = opt(None, "a prompt file (one per line; encoded into OUTPUT_DIR/embeddings) or an "
+                                    "embeddings manifest written by preprocess_embeddings.py; required")
+    output_dir: str = opt("outputs/samples", "folder for images/, index.jsonl, summary.json, config.json and "
+                                             "compare.png; must not hold another sampling")
+    num_inference_steps: int = opt(28, "Euler ODE steps (FluxPipeline's default: 28)")
+    guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
+    h: int = opt(1024, "image height in pixels (FluxPipeline's default: 1024)")
+    w: int = opt(1024, "image width in pixels (FluxPipeline's default: 1024)")
+    shift: float | None = opt(None, "static sigma shift; unset = FLUX dynamic shift, as FluxPipeline")
+    seed: int = opt(42, "image k of prompt p starts from the noise keyed (seed, p, k): same seed, same images")
+    num_images_per_prompt: int = opt(1, "images per prompt (sample indices 0..N-1)")
+    max_prompts: int = opt(0, "sample the first N prompts (0 = all)")
+    batch_size: int = opt(4, "images per transformer call (per rank)")
+    compare: str | None = opt(None, "BASE_DIR: the --output_dir of an earlier sample.py run (e.g. the base model) "
+                                    "with the same prompts, --seed, steps, guidance and size: writes "
+                                    "OUTPUT_DIR/compare.png, base | this model side by side on the same noise")
+    compare_max_prompts: int = opt(8, "prompts (rows) in the --compare grid")
+    device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
+    mixed_precision: str = opt("auto", "transformer dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
+                               choices=("auto", "bf16", "fp32"))
+    noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
+    max_sequence_length: int = opt(512, "T5 tokens per prompt when --prompts is a prompt file (512 for FLUX.1-dev)")
+    embedding_dtype: str = opt("fp32", "text-encoder dtype when --prompts is a prompt file", choices=("fp32", "bf16"))
 
 
 @dataclass
@@ -331,11 +372,105 @@ def build_parser(groups: Sequence[type], description: str, help_overrides: dict[
                  ) -> argparse.ArgumentParser:
     """An argparse parser with one argument group per dataclass in ``groups`` (``help_overrides`` /
     ``default_overrides``: flag -> the help text / default a trainer needs instead of the shared one; ``exclude``:
-    flags of those groups a tool does not read)."""
+    flags of those groups a tool does not read) and ``--config FILE`` (read by ``parse_with_config``)."""
     parser = argparse.ArgumentParser(description=description)
+    add_config_flag(parser)
     for cls in groups:
         _add_group(parser, cls, help_overrides, default_overrides, exclude)
     return parser
+
+
+# ------------------------------------------------------------------------------------------------ config files
+# keys a trainer's OUT/config.json holds besides its flags (so that the file can be passed back with --config)
+RECORDED_KEYS = ("algorithm", "batch_arithmetic", "config")
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE``: flag values from a YAML or JSON file; flags on the command line override them."""
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML or JSON file of flag values (keys are flag names without --, e.g. learning_rate: "
+                             "1.0e-5; lists for multi-value flags, true/false for switches, null for the default); "
+                             "flags given on the command line override it. A run's OUT/config.json reproduces the "
+                             "run; scripts/recipes/ holds FLUX.1-dev recipes")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (.yaml/.yml, or anything not .json) or JSON file (FileNotFoundError / ValueError)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file; pass a YAML or JSON file of flag values (a run's "
+                                "OUT/config.json, or one of scripts/recipes/*.yaml)")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as err:  # json.JSONDecodeError or yaml.YAMLError: both name the line
+        raise ValueError(f"--config {path} does not parse: {err}") from err
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flag name -> value, got a {type(data).__name__}")
+    return data
+
+
+def config_tokens(parser: argparse.ArgumentParser, data: dict[str, Any], source: str) -> list[str]:
+    """Command-line tokens equivalent to the config mapping ``data`` (so argparse applies its types and choices);
+    ``null`` values become parser defaults. ValueError for keys that are no flag of this parser (with the nearest
+    flag names), for a config written by another trainer, and for values of the wrong shape."""
+    import difflib
+
+    mine = parser.get_default("algorithm")
+    if data.get("algorithm") not in (None, mine):
+        raise ValueError(f"--config {source} was written by the {str(data['algorithm']).upper()} trainer; pass it to "
+                         f"that trainer, or remove its 'algorithm' key to reuse its flags here")
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    unknown = [k for k in data if k.lstrip("-") not in actions and k not in RECORDED_KEYS]
+    if unknown:
+        hints = [f"{k} (did you mean {', '.join(m)}?)" if (m := difflib.get_close_matches(k, actions, n=2)) else k
+                 for k in unknown]
+        raise ValueError(f"--config {source}: unknown flag name(s) {'; '.join(hints)}; fix or remove them (keys are "
+                         "this script's flag names without --: see --help)")
+    tokens: list[str] = []
+    for key, value in data.items():
+        key = key.lstrip("-")
+        if key in RECORDED_KEYS:
+            continue
+        action = actions[key]
+        flag = action.option_strings[0]
+        if value is None:
+            parser.set_defaults(**{key: None})
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {source}: {key} is a switch; give true or false, not {value!r}")
+            tokens.append(flag if value else f"--no-{key}")
+        elif action.nargs is not None:
+            values = list(value) if isinstance(value, (list, tuple)) else [value]
+            if not values:
+                raise ValueError(f"--config {source}: {key} needs at least one value (or null for the default)")
+            tokens += [flag, *(str(v) for v in values)]
+        else:
+            if isinstance(value, (list, tuple, dict)):
+                raise ValueError(f"--config {source}: {key} takes one value, got {value!r}")
+            tokens.append(f"{flag}={value}")
+    return tokens
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default: sys.argv) with the flags of ``--config FILE`` in front, so that flags on the command
+    line override the file's values; the file path stays in ``args.config``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config is None:
+        return parser.parse_args(argv)
+    tokens = config_tokens(parser, read_config_file(known.config), known.config)
+    return parser.parse_args(tokens + argv)
 
 
 def field_defaults(groups: Sequence[type]) -> dict[str, Any]:
@@ -348,6 +483,23 @@ def save_config(config: argparse.Namespace | dict, path: str | Path) -> None:
     config = vars(config) if isinstance(config, argparse.Namespace) else config
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def changed_flags(args: argparse.Namespace, keys: Sequence[str], defaults: dict[str, Any]) -> list[str]:
+    """Those of ``keys`` whose value differs from ``defaults``, counting the values validation resolves an unset flag
+    to (--eta 0 of a deterministic sampler, the default --sde_window_range) as unset: a run's config.json, which holds
+    resolved values, passes validation again."""
+    from fastvideo.rollout import default_window_range
+
+    def resolved_default(key: str) -> bool:
+        value = getattr(args, key)
+        if key == "eta":
+            return value == 0.0
+        if key == "sde_window_range":
+            return value is not None and tuple(value) == default_window_range(args.sampling_steps)
+        return False
+
+    return [k for k in keys if getattr(args, k) != defaults[k] and not resolved_default(k)]
 
 
 def _need(cond: bool, message: str) -> None:
@@ -397,7 +549,9 @@ def validate_common(args: argparse.Namespace) -> None:
           "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
     if not dry_run:
         _check_manifest("--data_json_path", args.data_json_path, model, "PROMPTS")
-        _check_manifest("--eval_data_json_path", args.eval_data_json_path, model, "EVAL_PROMPTS")
+        from fastvideo.evaluation import check_prompts_path
+
+        check_prompts_path("--eval_prompts", args.eval_prompts)
     _need(getattr(args, "dry_run_world_size", None) is None or args.dry_run_world_size >= 1,
           f"--dry_run_world_size must be >= 1, got {getattr(args, 'dry_run_world_size', None)}")
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
@@ -424,6 +578,7 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
     _need(args.eval_every >= 0, f"--eval_every must be >= 0 (0 = first and last step only), got {args.eval_every}")
     _need(args.eval_max_prompts >= 0, f"--eval_max_prompts must be >= 0 (0 = all), got {args.eval_max_prompts}")
+    _need(args.eval_num_images >= 1, f"--eval_num_images must be >= 1, got {args.eval_num_images}")
     _need(0.0 < args.ema_decay < 1.0, f"--ema_decay must be in (0, 1), got {args.ema_decay}")
     _need(args.train_batch_size >= 1, f"--train_batch_size must be >= 1, got {args.train_batch_size}")
     _need(args.gradient_accumulation_steps >= 0,
@@ -450,12 +605,13 @@ def validate_sampling(args: argparse.Namespace) -> None:
     S = args.sampling_steps
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")
-    _need(args.sde_window_range is None or args.sde_window_size > 0,
+    from fastvideo.rollout import default_window_range
+
+    _need(args.sde_window_range is None or args.sde_window_size > 0
+          or tuple(args.sde_window_range) == default_window_range(S),  # what validation resolves it to (config.json)
           "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "
           "--sde_window_size W or drop --sde_window_range")
     if args.sde_window_range is None:
-        from fastvideo.rollout import default_window_range
-
         args.sde_window_range = default_window_range(S)
     lo, hi = args.sde_window_range
     if args.sde_window_size:
@@ -541,7 +697,7 @@ def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the GRPO trainer's flags (validation happens in ``validate_grpo``)."""
     parser = build_parser(GRPO_GROUPS, "GRPO post-training of a FLUX transformer (torchrun + FSDP).")
     parser.set_defaults(algorithm="grpo")  # recorded in config.json and every checkpoint's meta.json
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv)
 
 
 def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
@@ -566,7 +722,7 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
                                     "one from sampled images)")
         online_only = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type",
                        "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step")
-        changed = [k for k in online_only if getattr(args, k) != defaults[k]]
+        changed = changed_flags(args, online_only, defaults)
         _need(not args.replay_images, "offline DPO (--preference_file) scores no images: --replay_images would do "
                                       "nothing; drop it (--replay_dir alone replays the recorded noise)")
         _need(not changed, "offline DPO (--preference_file) samples nothing and scores nothing: "
@@ -610,7 +766,7 @@ def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser(DPO_GROUPS, "Online or offline Diffusion-DPO of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
     parser.set_defaults(algorithm="dpo")  # recorded in config.json and every checkpoint's meta.json
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv)
 
 
 # sampling flags an ODE (old-policy) rollout has no use for
@@ -621,7 +777,7 @@ def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     """DiffusionNFT flags and the batch arithmetic; returns the derived counts printed before step 1."""
     validate_common(args)
     defaults = {**field_defaults(NFT_GROUPS), **NFT_DEFAULTS}
-    changed = [k for k in SDE_ONLY_FLAGS if getattr(args, k) != defaults[k] and not (k == "eta" and args.eta == 0)]
+    changed = changed_flags(args, SDE_ONLY_FLAGS, defaults)
     _need(not changed, "DiffusionNFT samples with a deterministic ODE solver (--solver euler|dpm2): "
                        f"{', '.join('--' + k for k in changed)} would do nothing; drop them")
     _need(args.fsdp_version == 2,
@@ -653,4 +809,60 @@ def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser(NFT_GROUPS, "DiffusionNFT post-training of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
     parser.set_defaults(algorithm="nft")  # recorded in config.json and every checkpoint's meta.json
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv)
+
+
+# sample.py flags that must equal the --compare folder's (the same noise and sampler, or the grid compares nothing)
+COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "h", "w", "shift", "noise_device")
+
+
+def validate_sample(args: argparse.Namespace) -> dict | None:
+    """sample.py's flags, paths and output folder, before anything loads (ValueError / FileNotFoundError naming the
+    fix); returns the --compare folder (``evaluation.read_sample_dir``) or None."""
+    from fastvideo import flux, weights
+    from fastvideo.evaluation import check_prompts_path, read_sample_dir
+    from fastvideo.rewards import parse_reward_spec
+
+    _need(args.pretrained_model_name_or_path is not None,
+          "--pretrained_model_name_or_path is required: a local diffusers FLUX folder")
+    model = Path(args.pretrained_model_name_or_path)
+    if not (model / "model_index.json").is_file():
+        raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at a "
+                                "local diffusers FLUX folder")
+    _need(args.prompts is not None, "--prompts is required: a prompt file (one per line) or an embeddings manifest")
+    check_prompts_path("--prompts", args.prompts)
+    _need(args.lora_path is None or args.transformer_path is None,
+          "--lora_path and --transformer_path exclude each other: a LoRA adapts the base transformer, "
+          "--transformer_path replaces it; pass one")
+    if args.lora_path is not None and not any(Path(args.lora_path).glob("*.safetensors")):
+        raise FileNotFoundError(f"--lora_path {args.lora_path}: no .safetensors LoRA there; pass a trainer's "
+                                "OUTPUT_DIR/final written with --lora_rank > 0")
+    transformer = Path(args.transformer_path or flux.transformer_folder(model))
+    if not (transformer / "config.json").is_file():
+        raise FileNotFoundError(f"--transformer_path {transformer}: no config.json there; pass a trainer's "
+                                "OUTPUT_DIR/final written by a full fine-tune (--lora_rank 0)")
+    for folder in (transformer, model / "vae"):
+        weights.check_weight_files(folder)
+    for flag in ("num_inference_steps", "num_images_per_prompt", "batch_size", "compare_max_prompts"):
+        _need(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    _need(args.max_prompts >= 0, f"--max_prompts must be >= 0 (0 = all), got {args.max_prompts}")
+    _need(1 <= args.max_sequence_length <= 512, f"--max_sequence_length must be in [1, 512], got "
+                                                f"{args.max_sequence_length}")
+    _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    flux.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
+    if args.reward:
+        parse_reward_spec(args.reward)
+    out = Path(args.output_dir)
+    if (out / "index.jsonl").exists():
+        raise ValueError(f"--output_dir {out} already holds a sampling (index.jsonl); choose a new --output_dir (or "
+                         "delete that one)")
+    if args.compare is None:
+        return None
+    base = read_sample_dir(args.compare)
+    diffs = {k: (base["config"].get(k), getattr(args, k)) for k in COMPARE_KEYS
+             if base["config"].get(k) != getattr(args, k)}
+    _need(not diffs, f"--compare {args.compare} was sampled with other settings ("
+                     + "; ".join(f"--{k} {a!r} there vs {b!r} here" for k, (a, b) in diffs.items())
+                     + "): pass the same values, so that both sides start from the same noise")
+    _need(Path(args.compare).resolve() != out.resolve(), "--compare must name another sample.py --output_dir")
+    return base

@@ -296,6 +296,64 @@ class EmbeddingWriter:
         return manifest
 
 
+def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathLike, output_dir: str | os.PathLike,
+                      *, max_sequence_length: int = 512, dtype: str = "fp32",
+                      shard_size: int = DEFAULT_SHARD_SIZE) -> EmbeddingWriter:
+    """The writer of ``prompt_file``'s embeddings under ``output_dir``, checked before any encoder loads: the prompt
+    file reads, the model folder has text encoders with complete weight files, and an existing store there was made
+    the same way (its finished shards are kept)."""
+    from fastvideo.flux import TEXT_COMPONENTS, check_model_folder, encoders_fingerprint
+    from fastvideo.weights import check_weight_files
+
+    prompts = read_prompt_file(prompt_file)
+    model_path = check_model_folder(model_path, TEXT_COMPONENTS).resolve()
+    for component in ("text_encoder", "text_encoder_2"):  # headers only: a corrupt file fails here, not mid-load
+        check_weight_files(model_path / component)
+    spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=encoders_fingerprint(model_path),
+                     max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size)
+    writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()))
+    writer.check_existing()
+    return writer
+
+
+def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_size: int = 8) -> dict[str, Any]:
+    """Encode this rank's unfinished shards (only the text encoders are loaded, and freed after), then rank 0 checks
+    every shard and writes the manifest. A collective (every rank calls it, in a process group or alone); returns
+    ``{"encoded": shards, "kept": shards, "manifest": dict (rank 0) or None}``."""
+    from fastvideo import distributed
+    from fastvideo.flux import encode_prompts, load_text_encoders
+
+    rank, world_size = distributed.get_rank(), distributed.get_world_size()
+    mine = writer.shards_for_rank(rank, world_size)
+    todo = [s for s in mine if not writer.is_complete(s)]
+    if todo:
+        encoders = load_text_encoders(writer.spec.model_path, dtype=DTYPES[writer.spec.dtype], device=device)
+        for shard in todo:
+            texts = writer.prompts_of(shard)
+            embeds, pooled, truncated = [], [], []
+            for i in range(0, len(texts), batch_size):
+                with torch.no_grad():
+                    e, p, t = encode_prompts(encoders, texts[i:i + batch_size],
+                                             max_sequence_length=writer.spec.max_sequence_length)
+                embeds.append(e.cpu())  # (b, T, D)
+                pooled.append(p.cpu())  # (b, Dp)
+                truncated.extend(bool(x) for x in t)
+            writer.write_shard(shard, torch.cat(embeds), torch.cat(pooled), truncated)
+        del encoders
+    counts = distributed.all_gather_object((len(todo), len(mine) - len(todo)))
+    distributed.barrier()
+    manifest = writer.finalize() if rank == 0 else None
+    distributed.barrier()  # the manifest exists for every rank
+    return {"encoded": sum(c[0] for c in counts), "kept": sum(c[1] for c in counts), "manifest": manifest}
+
+
+def is_manifest(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names an embedding store (its manifest.json, or a folder holding one) rather than a prompt
+    file."""
+    path = Path(path)
+    return (path / MANIFEST_NAME).is_file() if path.is_dir() else path.suffix == ".json"
+
+
 # ---------------------------------------------------------------------------------------------- reader
 class EmbeddingDataset:
     """Prompt embeddings written by preprocess_embeddings.py, read lazily from memory-mapped shards.

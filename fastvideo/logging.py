@@ -37,14 +37,17 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (and mirrors to TB / W&B) on rank 0.
+    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (and mirrors scalars and image grids to TensorBoard /
+    W&B) on rank 0; the optional sinks are imported only when asked for, on rank 0 only.
 
     On resume, lines for steps after the resumed step are dropped first, so the file always reads as one
-    uninterrupted run; a fresh run moves an existing log to ``metrics.previous.jsonl``.
+    uninterrupted run; a fresh run moves an existing log to ``metrics.previous.jsonl``. W&B: the run id is kept in
+    ``OUT/wandb_run_id`` and a resumed run continues that W&B run (``resume="allow"``) instead of starting a new one.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, sinks: Iterable[str] = ("jsonl",),
-                 config: dict | None = None, wandb_project: str = "flux", resume_step: int | None = None):
+                 config: dict | None = None, wandb_project: str = "flux", resume_step: int | None = None,
+                 wandb_mode: str | None = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = self._wandb = None
@@ -64,11 +67,8 @@ class MetricsLogger:
                 raise ValueError("--log_to tensorboard needs `pip install -e .[tensorboard]`") from e
             self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
         if "wandb" in sinks:
-            try:
-                import wandb
-            except ImportError as e:  # pragma: no cover - optional extra
-                raise ValueError("--log_to wandb needs `pip install -e .[wandb]`") from e
-            self._wandb = wandb.init(project=wandb_project, config=config or {}, dir=str(output_dir))
+            self._wandb = _init_wandb(Path(output_dir), wandb_project, config or {}, resume_step is not None,
+                                      wandb_mode)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write ``metrics`` for ``step`` (tensors become floats/lists)."""
@@ -84,6 +84,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
+    def log_image(self, tag: str, grid: torch.Tensor, step: int) -> None:
+        """Mirror an image grid (3, H, W) in [0, 1] (``save_image_grid``'s result) to TensorBoard / W&B; the PNG on
+        disk is written by ``save_image_grid`` either way."""
+        if not self.enabled or (self._tb is None and self._wandb is None):
+            return
+        if self._tb is not None:
+            self._tb.add_image(tag, grid.clamp(0, 1), step)
+        if self._wandb is not None:
+            import wandb
+
+            array = grid.clamp(0, 1).mul(255).add(0.5).to(torch.uint8).permute(1, 2, 0).numpy()
+            self._wandb.log({tag: wandb.Image(array)}, step=step)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -91,20 +104,38 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _init_wandb(output_dir: Path, project: str, config: dict, resuming: bool, mode: str | None) -> Any:
+    """Start (or, when ``resuming`` and OUT/wandb_run_id exists, continue) this run's W&B run, logging under OUT."""
+    try:
+        import wandb
+    except ImportError as e:  # pragma: no cover - optional extra
+        raise ValueError("--log_to wandb needs `pip install -e .[wandb]`") from e
+    id_file = output_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    if run_id is None:
+        run_id = wandb.util.generate_id()
+        id_file.write_text(run_id + "\n")
+    kwargs = {"mode": mode} if mode else {}  # unset: W&B reads WANDB_MODE itself (offline clusters set it there)
+    return wandb.init(project=project, config=config, dir=str(output_dir), id=run_id, resume="allow",
+                      name=output_dir.resolve().name, **kwargs)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """All rows of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> Path:
-    """Save images (B,3,H,W) in [0,1] as one PNG grid."""
-    from torchvision.utils import save_image
+def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> torch.Tensor:
+    """Save images (B,3,H,W) in [0,1] as one PNG grid (``nrow`` images per row; default: a square); returns the grid
+    (3, H', W') for ``MetricsLogger.log_image``."""
+    from torchvision.utils import make_grid, save_image
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     nrow = nrow or max(1, int(math.ceil(math.sqrt(images.shape[0]))))
-    save_image(images.detach().float().cpu().clamp(0, 1), str(path), nrow=nrow, padding=2)
-    return path
+    grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=nrow, padding=2)
+    save_image(grid, str(path))
+    return grid
 
 
 def peak_memory_gb(device: torch.device | str) -> float:

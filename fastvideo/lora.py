@@ -282,6 +282,23 @@ def save_lora_for_diffusers(
     return out_dir
 
 
+def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_name: str = "default") -> nn.Module:
+    """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any ``FluxPipeline.load_lora_weights``
+    folder) to a FluxTransformer2DModel the way ``FluxPipeline.load_lora_weights`` does (alpha from its metadata);
+    ValueError for LoRA weights of other components (prompts are encoded without them)."""
+    from diffusers import FluxPipeline
+
+    state_dict, alphas, metadata = FluxPipeline.lora_state_dict(str(lora_dir), return_alphas=True,
+                                                                return_lora_metadata=True)
+    others = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
+    if others:
+        raise ValueError(f"{lora_dir} also holds LoRA weights for {', '.join(others)}; sample.py applies only a "
+                         "transformer LoRA (the trainers' export)")
+    FluxPipeline.load_lora_into_transformer(state_dict, network_alphas=alphas, transformer=model,
+                                            adapter_name=adapter_name, metadata=metadata)
+    return model
+
+
 def save_transformer_for_diffusers(
     state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
     config: Any,

@@ -448,7 +448,7 @@ class Run:
     logger: Any = None
     bar: Any = None
     geometry: Any = None
-    eval_dataset: Any = None  # EmbeddingDataset of --eval_data_json_path
+    eval_dataset: Any = None  # EmbeddingDataset of --eval_prompts
     train_seconds: float = 0.0  # wall-clock of training steps so far (evaluation excluded; resumed from checkpoints)
     step_started: float = 0.0
     consecutive_skips: int = 0  # updates skipped in a row (non-finite gradient norm); see --max_consecutive_skips
@@ -469,7 +469,7 @@ class Run:
     def sampling_inputs(self) -> tuple[Any, Any, Any]:
         """What every trainer that samples reads before any model loads: ``(latent geometry, EmbeddingDataset checked
         against the model's text encoders and the reward's prompt grammar, RolloutConfig)``; also opens and checks
-        --eval_data_json_path (same text length as the training data)."""
+        --eval_prompts (a prompt file is encoded first, with the training data's text length)."""
         from fastvideo.data import EmbeddingDataset
         from fastvideo.rewards import check_reward_prompts
 
@@ -478,15 +478,20 @@ class Run:
         dataset = EmbeddingDataset(args.data_json_path)
         dataset.check_encoders(args.pretrained_model_name_or_path)
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
-        if args.eval_data_json_path is not None:
-            self.eval_dataset = EmbeddingDataset(args.eval_data_json_path)
+        if args.eval_prompts is not None:
+            from fastvideo.evaluation import prompt_manifest
+
+            manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
+                                       self.out / "eval_embeddings", max_sequence_length=dataset.max_sequence_length,
+                                       dtype=dataset.manifest["dtype"], device=self.device)
+            self.eval_dataset = EmbeddingDataset(manifest)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path)
-            check_reward_prompts(args.reward, self.eval_dataset.prompts,
-                                 f"--eval_data_json_path {args.eval_data_json_path}")
+            check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
-                raise ValueError(f"--eval_data_json_path has {self.eval_dataset.max_sequence_length} text tokens but "
+                raise ValueError(f"--eval_prompts has {self.eval_dataset.max_sequence_length} text tokens but "
                                  f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
-                                 f"prompts with --max_sequence_length {dataset.max_sequence_length}")
+                                 f"prompts with --max_sequence_length {dataset.max_sequence_length}, or pass the "
+                                 "prompt file itself (it is then encoded with the training data's length)")
         self.geometry = geometry
         return geometry, dataset, rollout_config(args)
 
@@ -507,7 +512,7 @@ class Run:
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
                     old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
-        paths first; also loaded without ``reward`` when --eval_data_json_path is set), policy (+ reference, EMA),
+        paths first; also loaded without ``reward`` when --eval_prompts is set), policy (+ reference, EMA),
         optimizer, LR schedule (``optimizer_steps`` long) and VAE."""
         from fastvideo.config import save_config
         from fastvideo.logging import current_memory_gb
@@ -547,7 +552,7 @@ class Run:
             if self.dist.is_main:
                 print(f"resumed from {self.resume_dir} at step {self.start_step}", flush=True)
         self.logger = MetricsLogger(self.out, enabled=self.dist.is_main, sinks=args.log_to, config=self.config,
-                                    wandb_project=args.wandb_project,
+                                    wandb_project=args.wandb_project, wandb_mode=args.wandb_mode,
                                     resume_step=self.start_step if self.resume_dir else None)
         self.bar = progress_bar(args.max_train_steps, self.start_step, enabled=self.dist.is_main and args.progress_bar)
         if self.eval_dataset is not None and self.start_step == 0:
@@ -556,36 +561,35 @@ class Run:
         return self.start_step
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Sample the first --eval_max_prompts prompts of --eval_data_json_path once each with the current weights
-        (Euler ODE, the run's steps/shift/guidance, initial noise keyed by (seed, "eval", prompt id): the same at every
-        evaluation), score them with --reward and return ``eval_<component>`` means (``eval_total`` for the weighted
-        sum) and ``time_eval`` (seconds); rank 0 saves OUT/samples/eval-step-N.png. Prompts are split over ranks (padded
-        to equal counts: FSDP needs the same forwards on every rank). A collective; draws no global randomness."""
-        import dataclasses
-
+        """Sample the first --eval_max_prompts prompts of --eval_prompts --eval_num_images times each with the current
+        weights (``evaluation.ode_images``: Euler ODE, the run's steps/shift/guidance, initial noise keyed by (seed,
+        "eval", prompt id, image index): the same at every evaluation), score them with --reward and return
+        ``evaluation.eval_metrics`` (``eval/reward_mean``, its std and 95% interval, ``eval/reward_<component>``) and
+        ``time_eval`` (seconds); rank 0 saves OUT/samples/eval-step-N.png (up to 16 images: the first of each rank's
+        slice) and mirrors it to TensorBoard / W&B. Images are split over ranks (padded to equal counts: FSDP needs the
+        same forwards on every rank). A collective; draws no global randomness."""
+        from fastvideo import evaluation
         from fastvideo.logging import save_image_grid
-        from fastvideo.rollout import rollout
         from fastvideo.seeding import NoiseSource, derive_seed
 
         args, ds, dist = self.args, self.eval_dataset, self.dist
         t0 = time.perf_counter()
         n = min(args.eval_max_prompts or len(ds), len(ds))
-        per_rank = -(-n // dist.world_size)
-        ids = [min(i, n - 1) for i in range(dist.rank * per_rank, (dist.rank + 1) * per_rank)]
-        batch = batch_to(ds.get_batch(ids), self.device)
-        cfg = dataclasses.replace(rollout_config(args), eta=0.0, solver="euler", sde_window_size=0,
-                                  init_same_noise=False)
+        total = n * args.eval_num_images
+        prompt_ids, sample_indices, real = evaluation.image_items(n, args.eval_num_images, dist.rank,
+                                                                  dist.world_size)
         noise = NoiseSource(derive_seed(args.seed, "eval"), device=args.noise_device)
-        model = self.policy.model
-        was_training = model.training
-        model.eval()
-        traj = rollout(model, self.vae, batch, [0] * len(ids), 0, cfg, noise, self.geometry, device=self.device,
-                       autocast_dtype=self.amp_dtype, keep_latents=False)
-        model.train(was_training)
-        rewards, _ = self.score(traj.images, batch["prompts"])  # gathered in prompt order; entries >= n are padding
-        metrics = {("eval_total" if k == "total" else f"eval_{k}"): float(v[:n].nanmean()) for k, v in rewards.items()}
+        images = evaluation.ode_images(self.policy.model, self.vae, ds, prompt_ids, sample_indices,
+                                       rollout_config(args), noise, self.geometry, device=self.device,
+                                       amp_dtype=self.amp_dtype)
+        rewards, _ = self.score(images, [ds.prompts[i] for i in prompt_ids])  # gathered: entries >= total are padding
+        all_ids = D.all_gather_tensor(torch.tensor(prompt_ids))[:total]
+        summary = evaluation.reward_summary({k: v[:total] for k, v in rewards.items()}, all_ids)
+        metrics = evaluation.eval_metrics(summary)
+        shown = D.all_gather_tensor(images[:min(real, -(-16 // dist.world_size))].cpu())  # (<= 16 + world, 3, H, W)
         if dist.is_main:
-            save_image_grid(traj.images[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
+            grid = save_image_grid(shown[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
+            self.logger.log_image("eval/samples", grid, step)
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
@@ -698,6 +702,7 @@ class Run:
         trained timesteps), and the step's grad norms).
         """
         from fastvideo.logging import peak_memory_gb, save_image_grid
+        from fastvideo.rewards import display_values
         from fastvideo.seeding import rng_state
 
         args = self.args
@@ -726,10 +731,11 @@ class Run:
             self.recorder.end_step(step, metrics, trace, self.step_grad_norms)
         self.step_grad_norms = []
         self.bar.update(1)
-        self.bar.set_postfix(**{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
+        self.bar.set_postfix(**display_values(metrics), **{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
         if (images is not None and args.sample_every and (step % args.sample_every == 0 or step == 1)
                 and self.dist.is_main):
-            save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")
+            grid = save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")
+            self.logger.log_image("samples", grid, step)
         if step % args.checkpointing_steps == 0 or last or too_many_skips:
             save_state(args, step, self.policy, self.optimizer, self.lr_scheduler, extra={
                 "step": step, "skipped_updates": self.skipped_updates, "rng": D.all_gather_object(rng_state()),
@@ -769,9 +775,21 @@ class Run:
         final = export_final(self.args, self.policy)
         if self.dist.is_main:
             out = self.out
-            print(f"metrics: {out / 'metrics.jsonl'}\nsamples: {out / 'samples'}\ncheckpoints: {out / 'checkpoints'}\n"
-                  f"export:  {final}", flush=True)
+            plots = write_plots(out)
+            print(f"metrics: {out / 'metrics.jsonl'}\nplots:   {plots}\nsamples: {out / 'samples'}\n"
+                  f"checkpoints: {out / 'checkpoints'}\nexport:  {final}", flush=True)
         return final
+
+
+def write_plots(out: Path) -> Path | str:
+    """OUT/plots.png: the run's curves (``fastvideo.plot``), written at the end of a run; a plot that cannot be drawn
+    is reported, never fatal (the run's outputs are already written)."""
+    from fastvideo.plot import plot_runs
+
+    try:
+        return plot_runs([out], out / "plots.png")
+    except (ValueError, OSError) as err:
+        return f"not written ({err})"
 
 
 def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> Run:

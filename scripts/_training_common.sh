@@ -52,7 +52,7 @@ toy_data() {
   done
   DATA_JSON=${DATA_JSON:-$DATA_DIR/toyworld-train/manifest.json}
   EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-heldout/manifest.json}
-  TOY_ARGS=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --eval_data_json_path "$EVAL_JSON"
+  TOY_ARGS=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --eval_prompts "$EVAL_JSON"
             --eval_max_prompts 128 --reward toyworld:1.0 --device cpu --h 64 --w 64 --sampling_steps 8 --shift 1)
 }
 

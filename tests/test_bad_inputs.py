@@ -102,8 +102,8 @@ def test_manifest_of_another_sequence_length(tmp_path, tiny_flux_dir):
     fingerprint = flux.encoders_fingerprint(tiny_flux_dir)
     args = SimpleNamespace(pretrained_model_name_or_path=str(tiny_flux_dir), h=64, w=64, reward="jpeg_compressibility",
                            data_json_path=str(_store(tmp_path / "train", fingerprint, msl=8)),
-                           eval_data_json_path=str(_store(tmp_path / "eval", fingerprint, msl=4)))
-    with pytest.raises(ValueError, match="--eval_data_json_path has 4 text tokens.*--max_sequence_length 8"):
+                           eval_prompts=str(_store(tmp_path / "eval", fingerprint, msl=4)))
+    with pytest.raises(ValueError, match="--eval_prompts has 4 text tokens.*--max_sequence_length 8"):
         Run.sampling_inputs(SimpleNamespace(args=args))
 
 

@@ -41,8 +41,8 @@ def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
         assert manifest["num_prompts"] == count and manifest["max_sequence_length"] == 16
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # the appended flag won over the launcher's default
-    assert "eval_toyworld_strict" in rows[0] and "eval_toyworld_strict" in rows[2]
-    assert "eval_toyworld_strict" not in rows[1] and "reward_toyworld_strict" in rows[1]
+    assert "eval/reward_toyworld_strict" in rows[0] and "eval/reward_toyworld_strict" in rows[2]
+    assert "eval/reward_toyworld_strict" not in rows[1] and "reward_toyworld_strict" in rows[1]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["reward"] == "toyworld:1.0" and config["device"] == "cpu"
     assert (tmp_path / "out" / "samples" / "eval-step-000000.png").is_file()
@@ -64,7 +64,7 @@ def test_grpo_launcher_jpeg_demo(tmp_path, demo_data_dir):
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["reward"] == "jpeg_compressibility:1.0" and config["eval_data_json_path"] is None
+    assert config["reward"] == "jpeg_compressibility:1.0" and config["eval_prompts"] is None
     assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
 
 
@@ -169,7 +169,7 @@ def test_dpo_launcher_demo_online_and_offline(tmp_path, demo_data_dir):
         assert [r["step"] for r in train_rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in train_rows)
         assert (tmp_path / f"out{mode}" / "final" / "diffusion_pytorch_model.safetensors").is_file()
         assert ("reward_mean" in train_rows[0]) == (mode == "")
-        assert ("eval_toyworld_strict" in rows[-1]) == (mode == "")
+        assert ("eval/reward_toyworld_strict" in rows[-1]) == (mode == "")
     pairs = (demo_data_dir / "tiny-flux-pairs" / "pairs.jsonl").read_text().splitlines()
     assert len(pairs) == 64 and (tmp_path / "outdemo" / "preference_latents" / "cache.json").is_file()
 

@@ -1,4 +1,4 @@
-"""RL on the toy world: the shared held-out evaluation (--eval_data_json_path) is fixed under an lr-0 control, the
+"""RL on the toy world: the shared held-out evaluation (--eval_prompts) is fixed under an lr-0 control, the
 time budget (--max_train_seconds) stops a run cleanly, the toyworld reward refuses other prompts up front, and
 (slow) the GRPO demo raises held-out prompt-following accuracy of the pretrained toy FLUX."""
 from __future__ import annotations
@@ -16,36 +16,51 @@ def _rows(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _grpo(toy_world, out, *flags: str, nproc: int = 2):
+def _grpo(toy_world, out, *flags: str, nproc: int = 2, eval_prompts=None):
     return run_torchrun(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(toy_world["model"]),
-                         "--data_json_path", str(toy_world["train"]), "--eval_data_json_path",
-                         str(toy_world["heldout"]), "--output_dir", str(out), "--device", "cpu", "--h", "64",
+                         "--data_json_path", str(toy_world["train"]), "--eval_prompts",
+                         str(eval_prompts or toy_world["heldout"]), "--output_dir", str(out), "--device", "cpu", "--h", "64",
                          "--w", "64", "--sampling_steps", "8", "--shift", "1", "--reward", "toyworld:1.0",
                          "--sde_type", "flow_sde", "--eta", "1.0", "--init_same_noise", "--num_generations", "8", "--prompts_per_step",
                          "8", "--rollout_batch_size", "32", "--train_batch_size", "16", "--timestep_fraction", "1.0",
                          "--clip_range", "1e-3", "--adv_clip_max", "5", "--lr_warmup_steps", "0",
                          "--max_grad_norm", "1.0", "--sample_every", "0", "--checkpointing_steps", "1000",
-                         "--eval_max_prompts", "63",
                          "--no-progress_bar", "--seed", "0", *flags], nproc=nproc)
 
 
 def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_path):
     """The lr-0 control: with nothing trained, the held-out evaluation after a step equals the one before step 1
-    exactly (63 prompts, so rank 1 runs one pad; noise fixed by seed and prompt), so a trained run's gain over its
-    own step-0 evaluation is its gain over an lr-0 control. --max_train_seconds stops the run after step 1 with the
-    checkpoint, the last evaluation and the export done."""
+    exactly (21 prompts x 3 images = 63, so rank 1 runs one pad; noise fixed by seed, prompt and image index), so a
+    trained run's gain over its own step-0 evaluation is its gain over an lr-0 control. The held-out prompts are a
+    prompt file, encoded by the trainer (into OUT/eval_embeddings, equal to preprocess_embeddings.py's store).
+    --max_train_seconds stops the run after step 1 with the checkpoint, the last evaluation, the export and the plot
+    done."""
+    from fastvideo.data import EmbeddingDataset
+
+    heldout = EmbeddingDataset(toy_world["heldout"])
+    prompt_file = tmp_path / "heldout.txt"
+    prompt_file.write_text("".join(p + "\n" for p in heldout.prompts))
     control = tmp_path / "control"
     proc = _grpo(toy_world, control, "--learning_rate", "0", "--max_train_steps", "1000", "--max_train_seconds",
-                 "0.001")
+                 "0.001", "--eval_max_prompts", "21", "--eval_num_images", "3", eval_prompts=prompt_file)
     rows = _rows(control)
     assert [r["step"] for r in rows] == [0, 1] and "stopping after step 1" in proc.stdout
-    eval_keys = [k for k in rows[0] if k.startswith("eval_")]
-    assert {"eval_total", "eval_toyworld", "eval_toyworld_strict", "eval_toyworld_shape"} <= set(eval_keys)
+    eval_keys = [k for k in rows[0] if k.startswith("eval/")]
+    assert {"eval/reward_mean", "eval/reward_std", "eval/reward_ci95_low", "eval/reward_ci95_high",
+            "eval/reward_toyworld", "eval/reward_toyworld_strict", "eval/reward_toyworld_shape"} <= set(eval_keys)
     assert all(rows[0][k] == rows[1][k] for k in eval_keys)
-    assert 0.3 < rows[0]["eval_toyworld"] < 0.6  # the pretrained model: above chance (0.28), far from 1
+    assert 0.3 < rows[0]["eval/reward_toyworld"] < 0.6  # the pretrained model: above chance (0.28), far from 1
+    assert rows[0]["eval/reward_ci95_low"] < rows[0]["eval/reward_mean"] < rows[0]["eval/reward_ci95_high"]
     assert rows[1]["time_elapsed"] > 0 and rows[1]["time_eval"] > 0
     assert (control / "checkpoints" / "step-1").is_dir() and (control / "final").is_dir()
     assert (control / "samples" / "eval-step-000000.png").is_file()
+    assert (control / "plots.png").stat().st_size > 10_000 and "plots:" in proc.stdout
+    encoded = EmbeddingDataset(control / "eval_embeddings")
+    assert encoded.prompts == heldout.prompts
+    import torch
+
+    batch, ref = encoded.get_batch(list(range(21))), heldout.get_batch(list(range(21)))
+    assert torch.equal(batch["prompt_embeds"], ref["prompt_embeds"])
 
 
 @pytest.mark.slow
@@ -59,10 +74,10 @@ def test_grpo_demo_raises_heldout_accuracy(tmp_path):
     proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--no-progress_bar", "--max_train_steps", "40"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    evals = [r for r in _rows(tmp_path / "out") if "eval_toyworld" in r]
+    evals = [r for r in _rows(tmp_path / "out") if "eval/reward_toyworld" in r]
     start, end = evals[0], evals[-1]
     assert start["step"] == 0 and end["step"] == 40
-    assert end["eval_toyworld"] - start["eval_toyworld"] > 0.02, [r["eval_toyworld"] for r in evals]
+    assert end["eval/reward_toyworld"] - start["eval/reward_toyworld"] > 0.02, [r["eval/reward_toyworld"] for r in evals]
 
 
 def test_toyworld_reward_refuses_other_prompts_before_loading(tiny_flux_dir, tiny_data, tmp_path):

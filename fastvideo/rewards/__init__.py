@@ -54,6 +54,23 @@ _REQUIRED_PATHS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "aesthetic": (("aesthetic_checkpoint", "file", "LAION's sac+logos+ava1-l14-linearMSE.pth"),
                   ("aesthetic_clip_checkpoint", "any", "a CLIP ViT-L/14 transformers folder or open_clip file")),
 }
+# How the progress bar shows a component: name -> (label, factor): the bar prints label=value*factor, the reward in its
+# own units (JPEG size in kB instead of -kB/500); rewards not listed are shown as they are (HPS, PickScore, ... scores).
+DISPLAY_UNITS: dict[str, tuple[str, float]] = {"jpeg_compressibility": ("jpeg_kB", -500.0),
+                                               "jpeg_incompressibility": ("jpeg_kB", 500.0)}
+
+
+def display_values(metrics: dict[str, float]) -> dict[str, str]:
+    """Progress-bar entries of the ``reward_<component>`` means in ``metrics``: each component in its own units
+    (``DISPLAY_UNITS``), 4 significant digits; per-check extras such as ``reward_toyworld_strict`` are left out."""
+    shown = {}
+    for name in REWARD_NAMES:
+        if f"reward_{name}" in metrics:
+            label, factor = DISPLAY_UNITS.get(name, (name, 1.0))
+            shown[label] = f"{float(metrics[f'reward_{name}']) * factor:.4g}"
+    return shown
+
+
 # Architecture flags that may hold a config JSON path instead of a model name.
 _ARCH_FLAGS: dict[str, str] = {"hpsv2": "hps_model", "clipscore": "clip_model", "aesthetic": "aesthetic_clip_model"}
 

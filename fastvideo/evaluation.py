@@ -1,0 +1,227 @@
+"""Fixed-noise ODE sampling of a prompt set and reward statistics: shared by the trainers' held-out evaluation
+(``training.Run.evaluate``) and ``sample.py``.
+
+An image is keyed by (prompt id, sample index) like every other draw (DESIGN principle 4): its initial noise is
+``NoiseSource(seed).randn(..., step=0, prompt_id=p, sample_index=k, purpose="init")``, so the same seed gives the same
+images whatever the ranks, batch size or model (base vs tuned: same noise, the picture people compare).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# two-sided 95% Student-t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def check_prompts_path(flag: str, path: str | os.PathLike | None) -> None:
+    """A prompt source flag names an embedding manifest (or its folder) or a prompt file that exists
+    (FileNotFoundError naming the fix); checked before anything loads."""
+    from fastvideo.data import MANIFEST_NAME, is_manifest
+
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir() and not (path / MANIFEST_NAME).is_file():
+        raise FileNotFoundError(f"{flag} {path}: a folder without {MANIFEST_NAME}; pass a prompt file (one prompt per "
+                                "line) or the manifest.json written by preprocess_embeddings.py")
+    if not path.exists():
+        kind = "embedding manifest" if is_manifest(path) else "prompt file"
+        raise FileNotFoundError(f"{flag} {path}: no such {kind}; pass a prompt file (one prompt per line) or the "
+                                "manifest.json written by preprocess_embeddings.py")
+
+
+def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, work_dir: str | os.PathLike, *,
+                    max_sequence_length: int, dtype: str, device: torch.device) -> Path:
+    """``prompts`` as an embedding manifest: a manifest (or its folder) is used as it is; a prompt file is encoded
+    into ``work_dir`` with ``model_path``'s text encoders (loaded, then freed, before any other model; a restart keeps
+    the finished shards). A collective: every rank calls it."""
+    from fastvideo.data import MANIFEST_NAME, is_manifest, open_prompt_store, write_prompt_store
+
+    if is_manifest(prompts):
+        return Path(prompts)
+    writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype)
+    write_prompt_store(writer, device=device)
+    return Path(work_dir) / MANIFEST_NAME
+
+
+def image_items(num_prompts: int, per_prompt: int, rank: int, world_size: int) -> tuple[list[int], list[int], int]:
+    """This rank's ``(prompt ids, sample indices, real count)`` of the ``num_prompts x per_prompt`` images in global
+    order ``[p0 s0..s(K-1), p1 s0.., ...]``: a contiguous slice, padded with repeats of the last image to the same
+    count on every rank (FSDP needs the same forwards everywhere), so that gathering every rank's results and keeping
+    the first ``num_prompts * per_prompt`` gives the real images in order."""
+    total = num_prompts * per_prompt
+    per_rank = -(-total // world_size)
+    flat = [min(i, total - 1) for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    real = max(0, min(total, (rank + 1) * per_rank) - rank * per_rank)
+    return [i // per_prompt for i in flat], [i % per_prompt for i in flat], real
+
+
+def ode_images(model: torch.nn.Module, vae: torch.nn.Module, dataset: Any, prompt_ids: list[int],
+               sample_indices: list[int], cfg: Any, noise: Any, geometry: Any, *, device: torch.device,
+               amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Images (B, 3, H, W) in [0, 1] of (prompt id, sample index) pairs, sampled with the deterministic Euler ODE of
+    ``cfg`` (a ``rollout.RolloutConfig``; its noise settings are overridden) from ``noise``'s step-0 initial noise; the
+    model runs in eval mode (restored after)."""
+    import dataclasses
+
+    from fastvideo.rollout import rollout
+
+    cfg = dataclasses.replace(cfg, eta=0.0, solver="euler", sde_window_size=0, init_same_noise=False)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dataset.get_batch(prompt_ids).items()}
+    was_training = model.training
+    model.eval()
+    try:
+        traj = rollout(model, vae, batch, sample_indices, 0, cfg, noise, geometry, device=device,
+                       autocast_dtype=amp_dtype, keep_latents=False)
+    finally:
+        model.train(was_training)
+    return traj.images
+
+
+def t_quantile_975(df: int) -> float:
+    """The two-sided 95% Student-t quantile for ``df`` degrees of freedom (>= 1)."""
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def summarize(values: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, float]:
+    """Statistics of one reward over a sample set: ``mean`` and ``std`` (population) over images, and the 95%
+    interval of the mean (``ci95_low``, ``ci95_high``; Student t) over prompt means: images of one prompt are not
+    independent, prompts are the unit (one image per prompt: the images; NaN with fewer than two units). Non-finite
+    values (samples dropped for a non-finite reward) are left out."""
+    values, prompt_ids = values.double().cpu(), prompt_ids.long().cpu()
+    keep = torch.isfinite(values)
+    values, prompt_ids = values[keep], prompt_ids[keep]
+    n = len(values)
+    if n == 0:
+        nan = float("nan")
+        return {"mean": nan, "std": nan, "ci95_low": nan, "ci95_high": nan, "num_images": 0, "num_prompts": 0}
+    ids, inverse = torch.unique(prompt_ids, return_inverse=True)
+    units = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, values) / torch.bincount(inverse)
+    mean = float(values.mean())
+    if len(units) >= 2:
+        half = t_quantile_975(len(units) - 1) * float(units.std(unbiased=True)) / math.sqrt(len(units))
+    else:
+        half = float("nan")
+    return {"mean": mean, "std": float(values.std(unbiased=False)), "ci95_low": mean - half, "ci95_high": mean + half,
+            "num_images": n, "num_prompts": len(ids)}
+
+
+def reward_summary(rewards: dict[str, torch.Tensor], prompt_ids: torch.Tensor) -> dict[str, dict[str, float]]:
+    """``summarize`` of every reward entry ("total" and each component), keyed by name."""
+    return {name: summarize(values, prompt_ids) for name, values in rewards.items()}
+
+
+def eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What a training run logs of a held-out evaluation: ``eval/reward_mean``, ``eval/reward_std``,
+    ``eval/reward_ci95_low|high`` of the weighted total, and ``eval/reward_<component>`` means."""
+    total = summary["total"]
+    metrics = {"eval/reward_mean": total["mean"], "eval/reward_std": total["std"],
+               "eval/reward_ci95_low": total["ci95_low"], "eval/reward_ci95_high": total["ci95_high"]}
+    metrics.update({f"eval/reward_{name}": s["mean"] for name, s in summary.items() if name != "total"})
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------ sample.py outputs
+def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int) -> Any:
+    """The ``rollout.RolloutConfig`` of FluxPipeline-style sampling: Euler ODE, ``steps`` steps, dynamic shift unless
+    ``shift``, distilled ``guidance``; ``batch_size`` images per transformer call."""
+    from fastvideo.rollout import RolloutConfig
+
+    return RolloutConfig(height=height, width=width, sampling_steps=steps, sde_type="flow_sde", eta=0.0, shift=shift,
+                         guidance=guidance, batch_size=batch_size)
+
+
+def read_sample_dir(path: str | os.PathLike) -> dict[str, Any]:
+    """A finished sample.py --output_dir: ``{"config": its flags, "rows": index.jsonl}`` (FileNotFoundError naming the
+    fix when it is not one)."""
+    path = Path(path)
+    if not (path / "index.jsonl").is_file() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--compare {path}: no index.jsonl and config.json there; pass the --output_dir of a "
+                                "finished sample.py run (e.g. of the base model, with the same --prompts and --seed)")
+    from fastvideo.record import read_jsonl
+
+    return {"config": json.loads((path / "config.json").read_text()), "rows": read_jsonl(path / "index.jsonl")}
+
+
+def check_compare_prompts(base: dict[str, Any], prompts: list[str], where: str) -> None:
+    """The --compare folder's images are of the same prompts (by id) as this run's, and the two share an image
+    (ValueError naming the first mismatch)."""
+    shared = [r for r in base["rows"] if r["prompt_id"] < len(prompts)]
+    for row in shared:
+        if row["prompt"] != prompts[row["prompt_id"]]:
+            raise ValueError(f"--compare {where}: prompt {row['prompt_id']} there is {row['prompt']!r} but here "
+                             f"{prompts[row['prompt_id']]!r}; sample both with the same --prompts")
+    if not shared:
+        raise ValueError(f"--compare {where} holds no image of this run's prompts; sample both with the same --prompts")
+
+
+def write_sample_index(out: Path, rows: list[dict], seconds: float) -> dict[str, Any]:
+    """OUT/index.jsonl (one row per image, in (prompt, image) order) and OUT/summary.json (counts, time and
+    ``summarize`` of every reward); returns the summary."""
+    from fastvideo.data import atomic_write_text
+
+    reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path")]
+    ids = torch.tensor([r["prompt_id"] for r in rows])
+    summary = {"num_images": len(rows), "num_prompts": len({r["prompt_id"] for r in rows}),
+               "seconds": seconds, "images_per_second": len(rows) / max(seconds, 1e-9),
+               "rewards": {name: summarize(torch.tensor([r[name] for r in rows]), ids) for name in reward_names}}
+    atomic_write_text(out / "index.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def describe_summary(summary: dict[str, Any], out: Path) -> str:
+    """What sample.py prints at the end: counts, speed, each reward's mean [95% interval], and where things are."""
+    lines = [f"{summary['num_images']} images of {summary['num_prompts']} prompts in {summary['seconds']:.1f} s "
+             f"({summary['images_per_second']:.2f} images/s)"]
+    lines += [f"  {name}: mean {s['mean']:.6g} [95% {s['ci95_low']:.6g}, {s['ci95_high']:.6g}], std {s['std']:.4g}"
+              for name, s in summary["rewards"].items()]
+    lines.append(f"images: {out / 'images'}\nindex:  {out / 'index.jsonl'}\nsummary: {out / 'summary.json'}")
+    return "\n".join(lines)
+
+
+def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Path, max_prompts: int) -> Path:
+    """OUT/compare.png: one row per prompt (the first ``max_prompts`` both runs sampled), its prompt, then the base
+    run's images and this run's of the same (prompt, image index) -- the same noise -- with each image's total reward
+    when scored; small images are enlarged (nearest) to at least 192 px."""
+    from PIL import Image, ImageDraw
+
+    mine = {(r["prompt_id"], r["sample_index"]): r for r in rows}
+    theirs = {(r["prompt_id"], r["sample_index"]): r for r in base["rows"]}
+    keys = sorted(set(mine) & set(theirs))
+    prompt_ids = sorted({p for p, _ in keys})[:max_prompts]
+    per_prompt = max(sum(1 for p, _ in keys if p == pid) for pid in prompt_ids)
+    with Image.open(out / rows[0]["path"]) as first:
+        w, h = first.size
+    scale = max(1, -(-192 // max(w, h)))
+    cw, ch, text_w, label_h, gap = w * scale, h * scale, 220, 16, 12
+    width = text_w + 2 * per_prompt * (cw + 4) + gap
+    canvas = Image.new("RGB", (width, 22 + len(prompt_ids) * (ch + label_h + 8)), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((text_w, 4), f"base: {base_dir}", fill="black")
+    draw.text((text_w + per_prompt * (cw + 4) + gap, 4), f"this run: {out}", fill="black")
+    for row_i, pid in enumerate(prompt_ids):
+        y = 22 + row_i * (ch + label_h + 8)
+        prompt = mine.get((pid, 0), theirs.get((pid, 0), {"prompt": ""}))["prompt"]
+        for line_i, start in enumerate(range(0, min(len(prompt), 34 * 6), 34)):
+            draw.text((4, y + 12 * line_i), prompt[start:start + 34], fill="black")
+        for side, (source, folder) in enumerate(((theirs, base_dir), (mine, out))):
+            for k in range(per_prompt):
+                row = source.get((pid, k))
+                if row is None:
+                    continue
+                x = text_w + side * (per_prompt * (cw + 4) + gap) + k * (cw + 4)
+                with Image.open(folder / row["path"]) as img:
+                    canvas.paste(img.convert("RGB").resize((cw, ch), Image.NEAREST), (x, y))
+                if "total" in row:
+                    draw.text((x, y + ch + 2), f"{row['total']:.4g}", fill="black")
+    path = out / "compare.png"
+    canvas.save(path)
+    return path

@@ -1,0 +1,122 @@
+"""Generate (and score) images from a base FLUX model, a trained LoRA or a full fine-tune, for a prompt set.
+
+    torchrun --nproc_per_node N sample.py --pretrained_model_name_or_path DIR [--lora_path OUT/final |
+        --transformer_path OUT/final] --prompts FILE_OR_MANIFEST --output_dir SAMPLES [--reward SPEC]
+        [--compare BASE_SAMPLES]
+
+Sampling is the deterministic Euler ODE of ``FluxPipeline`` (same sigmas, dynamic shift and guidance; equal images for
+the same initial noise). Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
+``SAMPLES/images/pPPPPPP-sKKK.png`` whatever the number of ranks or the batch size, so two models sampled with the
+same seed see the same noise: ``--compare BASE_SAMPLES`` then puts them side by side (``SAMPLES/compare.png``).
+``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores) and ``SAMPLES/summary.json`` the mean,
+std and 95% interval of each reward.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from fastvideo import distributed as D
+from fastvideo import evaluation
+from fastvideo.config import RewardOptions, SampleOptions, build_parser, parse_with_config, validate_sample
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Flags (every one with its unit in --help); validation happens in ``validate_sample``."""
+    parser = build_parser((SampleOptions, RewardOptions), __doc__.split("\n\n")[0],
+                          default_overrides={"reward": None},
+                          help_overrides={"reward": "score every image with these weighted rewards (e.g. 'hpsv2:1.0'; "
+                                                    "default: no scoring)"},
+                          exclude=("nonfinite_reward",))
+    return parse_with_config(parser, argv)
+
+
+def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformer to sample with: the base model's, --transformer_path's, or the base with --lora_path's
+    adapter (loaded the way FluxPipeline.load_lora_weights loads it), in eval mode."""
+    from fastvideo import flux, lora
+
+    model = flux.load_transformer(args.transformer_path or args.pretrained_model_name_or_path, dtype=dtype,
+                                  device=device)
+    if args.lora_path is not None:
+        lora.load_lora_from_diffusers(model, args.lora_path)
+    return model.requires_grad_(False).eval()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Check everything, encode a prompt file, load the models, sample and score this rank's images, then rank 0
+    writes the index, the summary and (--compare) the side-by-side grid."""
+    from fastvideo import flux
+    from fastvideo.config import save_config
+    from fastvideo.data import EmbeddingDataset
+    from fastvideo.record import image_name, save_png
+    from fastvideo.rewards import build_reward, check_reward_prompts
+    from fastvideo.seeding import NoiseSource
+    from fastvideo.training import REWARD_PATH_FLAGS, compute_dtype
+
+    args = parse_args(argv)
+    base = validate_sample(args)  # every flag and path, the output folder and the --compare folder: nothing loaded
+    dist = D.init_distributed(args.device)
+    out = Path(args.output_dir)
+    if dist.is_main:
+        save_config(args, out / "config.json")
+
+    # ---- 1. prompts: a prompt file is encoded once (text encoders only), a manifest is read as it is ----------
+    manifest = evaluation.prompt_manifest(args.prompts, args.pretrained_model_name_or_path, out / "embeddings",
+                                          max_sequence_length=args.max_sequence_length, dtype=args.embedding_dtype,
+                                          device=dist.device)
+    dataset = EmbeddingDataset(manifest)
+    dataset.check_encoders(args.pretrained_model_name_or_path)
+    n = min(args.max_prompts or len(dataset), len(dataset))
+    if args.reward:
+        check_reward_prompts(args.reward, dataset.prompts[:n], f"--prompts {args.prompts}")
+    if base is not None:
+        evaluation.check_compare_prompts(base, dataset.prompts[:n], args.compare)
+
+    # ---- 2. models: reward, transformer (+ LoRA), VAE ---------------------------------------------------------
+    reward_fn = (build_reward(args.reward, dist.device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
+                 if args.reward else None)
+    amp_dtype = compute_dtype(args.mixed_precision, dist.device)
+    model = load_model(args, dist.device, amp_dtype or torch.float32)
+    vae = flux.load_vae(args.pretrained_model_name_or_path, device=dist.device)
+    geometry = flux.latent_geometry(vae, args.h, args.w)
+    cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
+                                guidance=args.guidance_scale, batch_size=args.batch_size)
+
+    # ---- 3. this rank's images, in batches: sample -> PNG -> score -------------------------------------------
+    prompt_ids, sample_indices, real = evaluation.image_items(n, args.num_images_per_prompt, dist.rank,
+                                                              dist.world_size)
+    prompt_ids, sample_indices = prompt_ids[:real], sample_indices[:real]
+    noise = NoiseSource(args.seed, device=args.noise_device)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows, t0 = [], time.perf_counter()
+    for start in range(0, real, args.batch_size):
+        ids, idx = prompt_ids[start:start + args.batch_size], sample_indices[start:start + args.batch_size]
+        images = evaluation.ode_images(model, vae, dataset, ids, idx, cfg, noise, geometry, device=dist.device,
+                                       amp_dtype=amp_dtype)  # (b, 3, H, W)
+        prompts = [dataset.prompts[i] for i in ids]
+        scores = reward_fn(images, prompts) if reward_fn is not None else {}
+        for j, (p, k) in enumerate(zip(ids, idx)):
+            save_png(images[j], out / "images" / image_name(p, k))
+            rows.append({"prompt_id": p, "sample_index": k, "prompt": prompts[j], "seed": args.seed,
+                         "path": f"images/{image_name(p, k)}", **{name: float(v[j]) for name, v in scores.items()}})
+    seconds = D.all_reduce_max(time.perf_counter() - t0)
+
+    # ---- 4. rank 0: index, summary, comparison grid ----------------------------------------------------------
+    rows = sorted((r for rank_rows in D.all_gather_object(rows) for r in rank_rows),
+                  key=lambda r: (r["prompt_id"], r["sample_index"]))
+    if dist.is_main:
+        summary = evaluation.write_sample_index(out, rows, seconds)
+        print(evaluation.describe_summary(summary, out), flush=True)
+        if base is not None:
+            print(f"comparison: {evaluation.compare_grid(base, Path(args.compare), rows, out, args.compare_max_prompts)}",
+                  flush=True)
+    D.cleanup()
+
+
+if __name__ == "__main__":
+    main()
