@@ -9,11 +9,13 @@ the same initial noise). Image k of prompt p starts from the noise keyed (--seed
 ``SAMPLES/images/pPPPPPP-sKKK.png`` whatever the number of ranks or the batch size, so two models sampled with the
 same seed see the same noise: ``--compare BASE_SAMPLES`` then puts them side by side (``SAMPLES/compare.png``).
 ``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores) and ``SAMPLES/summary.json`` the mean,
-std and 95% interval of each reward.
+std and 95% interval of each reward; with --compare, ``SAMPLES/compare.json`` holds each reward's paired difference
+(this model - base, image by image) with its 95% interval.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -113,8 +115,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = evaluation.write_sample_index(out, rows, seconds)
         print(evaluation.describe_summary(summary, out), flush=True)
         if base is not None:
-            print(f"comparison: {evaluation.compare_grid(base, Path(args.compare), rows, out, args.compare_max_prompts)}",
-                  flush=True)
+            grid = evaluation.compare_grid(base, Path(args.compare), rows, out, args.compare_max_prompts)
+            paired = evaluation.compare_summary(base["rows"], rows)
+            (out / "compare.json").write_text(json.dumps({"base": args.compare, "rewards": paired}, indent=2) + "\n")
+            for name, c in paired.items():
+                print(f"  {name}: base {c['base']:.6g} -> {c['this']:.6g}, difference {c['difference']:+.4g} [95% "
+                      f"{c['difference_ci95_low']:+.4g}, {c['difference_ci95_high']:+.4g}] (paired by prompt and noise, "
+                      f"{c['num_images']} images)", flush=True)
+            print(f"comparison: {grid}\n            {out / 'compare.json'}", flush=True)
     D.cleanup()
 
 

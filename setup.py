@@ -19,10 +19,12 @@ setup(
         "numpy",
         "pillow",
         "tqdm",
-        "matplotlib",  # python -m fastvideo.compare (its plot); imported only there
+        "matplotlib",  # plots: python -m fastvideo.plot / fastvideo.compare, OUT/plots.png; imported only there
+        "pyyaml",  # --config FILE.yaml
     ],
     extras_require={
-        "test": ["pytest>=7.4", "pytest-timeout"],
+        # the logging backends are in the test extra so that CI checks what they receive
+        "test": ["pytest>=7.4", "pytest-timeout", "tensorboard", "wandb"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

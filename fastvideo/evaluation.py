@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,28 @@ def describe_summary(summary: dict[str, Any], out: Path) -> str:
     return "\n".join(lines)
 
 
+def compare_summary(base_rows: list[dict], rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per reward scored in both runs, on the images both made (same prompt and index: the same noise): ``base`` and
+    ``this`` means and the paired ``difference`` (this - base) with its 95% interval over prompts (``summarize`` of the
+    per-image differences), which is far tighter than comparing two unpaired means."""
+    base = {(r["prompt_id"], r["sample_index"]): r for r in base_rows}
+    shared = [r for r in rows if (r["prompt_id"], r["sample_index"]) in base]
+    if not shared:
+        return {}
+    first = base[(shared[0]["prompt_id"], shared[0]["sample_index"])]
+    names = [k for k, v in shared[0].items() if isinstance(v, float) and k in first]  # the rewards both scored
+    ids = torch.tensor([r["prompt_id"] for r in shared])
+    out = {}
+    for name in names:
+        mine = torch.tensor([r[name] for r in shared], dtype=torch.float64)
+        theirs = torch.tensor([base[(r["prompt_id"], r["sample_index"])][name] for r in shared], dtype=torch.float64)
+        diff = summarize(mine - theirs, ids)
+        out[name] = {"base": float(theirs.mean()), "this": float(mine.mean()), "difference": diff["mean"],
+                     "difference_ci95_low": diff["ci95_low"], "difference_ci95_high": diff["ci95_high"],
+                     "num_images": len(shared)}
+    return out
+
+
 def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Path, max_prompts: int) -> Path:
     """OUT/compare.png: one row per prompt (the first ``max_prompts`` both runs sampled), its prompt, then the base
     run's images and this run's of the same (prompt, image index) -- the same noise -- with each image's total reward
@@ -210,8 +233,8 @@ def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Pa
     for row_i, pid in enumerate(prompt_ids):
         y = 22 + row_i * (ch + label_h + 8)
         prompt = mine.get((pid, 0), theirs.get((pid, 0), {"prompt": ""}))["prompt"]
-        for line_i, start in enumerate(range(0, min(len(prompt), 34 * 6), 34)):
-            draw.text((4, y + 12 * line_i), prompt[start:start + 34], fill="black")
+        for line_i, line in enumerate(textwrap.wrap(prompt, 34)[:6]):
+            draw.text((4, y + 12 * line_i), line, fill="black")
         for side, (source, folder) in enumerate(((theirs, base_dir), (mine, out))):
             for k in range(per_prompt):
                 row = source.get((pid, k))

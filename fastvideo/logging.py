@@ -113,7 +113,9 @@ def _init_wandb(output_dir: Path, project: str, config: dict, resuming: bool, mo
     id_file = output_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
     if run_id is None:
-        run_id = wandb.util.generate_id()
+        import secrets
+
+        run_id = secrets.token_hex(4)  # W&B run ids are short [a-z0-9] strings
         id_file.write_text(run_id + "\n")
     kwargs = {"mode": mode} if mode else {}  # unset: W&B reads WANDB_MODE itself (offline clusters set it there)
     return wandb.init(project=project, config=config, dir=str(output_dir), id=run_id, resume="allow",

@@ -11,7 +11,8 @@
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
-#      PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE,
+#      PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE, RECIPE (with MODEL_PATH: the --config
+#      recipe, default scripts/recipes/dpo.yaml or dpo_offline.yaml; relative to the repo root),
 #      DEMO (toyworld | jpeg), TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (held-out manifest).
 # Everything after the script name is passed to train_dpo.py and wins over the defaults below.
 # Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.
@@ -65,51 +66,19 @@ elif [ -z "${MODEL_PATH:-}" ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 else
   real_data  # DATA_JSON, NPROC_PER_NODE; the embeddings must exist (except for --dry_run)
-  WORLD=$((NPROC_PER_NODE * NNODES))
-  # No public online-DPO recipe for FLUX.1-dev exists; this one takes verl-omni's online DPO recipe (verl-omni
-  # examples/dpo_trainer/qwen_image/run_qwen_image_online_dpo_lora_v1.sh and its trainer config defaults
-  # verl_omni/trainer/config/*.yaml) value by value, with FLUX.1-dev's own settings from Flow-GRPO's FLUX config
-  # (flow_grpo config/grpo.py:pickscore_flux); "ours" marks our choices.
-  RECIPE=(
-    --h 512 --w 512                        # Flow-GRPO pickscore_flux resolution 512 (verl-omni default 512 too)
-    --guidance_scale 3.5                   # Flow-GRPO pickscore_flux guidance 3.5 (FLUX.1-dev distilled guidance)
-    --sampling_steps 28                    # ours: FluxPipeline's default 28 ODE steps (verl-omni: 35 for Qwen-Image)
-    --beta_dpo 2000                        # verl-omni config default dpo_beta 2000.0 (its Qwen-Image script: 100;
-                                           #   Diffusion-DPO SD1.5: 5000)
-    --lora_rank 64 --lora_alpha 128        # verl-omni model.lora_rank 64, model.lora_alpha 128
-    --learning_rate 3e-4                   # verl-omni optim.lr 3e-4 (Flow-GRPO DPO: 3e-4 as well)
-    --lr_scheduler constant                # verl-omni: constant, no warm-up
-    --weight_decay 1e-4                    # verl-omni optim.weight_decay 1e-4
-    --max_grad_norm 1.0                    # verl-omni clip_grad 1.0
-    --max_train_steps 300                  # verl-omni trainer.total_training_steps 300
-    --mixed_precision bf16                 # verl-omni fsdp model_dtype bfloat16 (ours: fp32 master weights)
-    --gradient_checkpointing               # verl-omni enable_gradient_checkpointing true
-    --seed 42                              # ours (as the GRPO recipe)
-    --checkpointing_steps 40               # ours (as the GRPO recipe)
-    --sample_every 10                      # ours only: sample grids
-    --rollout_batch_size 8                 # ours only: samples per rollout forward (speed, not maths)
-  )
+  # verl-omni's online DPO values with FLUX.1-dev's settings, each with its source: scripts/recipes/dpo.yaml
+  # (offline: scripts/recipes/dpo_offline.yaml, the same without the sampling flags; RECIPE=FILE takes another
+  # recipe; flags after the script name still win)
   if [ -z "$PREFERENCE_FILE" ]; then
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-flux}
     HPS_ARGS=()
     if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
-    RECIPE+=(
-      --sampler ode                        # verl-omni: deterministic FlowMatchEuler rollout (Flow-GRPO samples SDE)
-      --num_generations 16                 # verl-omni actor_rollout_ref.rollout.n 16 (best vs worst per prompt)
-      --prompts_per_step 32                # verl-omni data.train_batch_size 32 prompts -> 32 pairs per step
-      --train_batch_size 4                 # verl-omni ppo_micro_batch_size_per_gpu 8 images = 4 pairs
-      --min_reward_gap 0                   # ours: only equal-reward pairs are skipped (verl-omni keeps every pair)
-      --ref_update_interval 0              # verl-omni: frozen reference (Flow-GRPO suggests 40 for online DPO)
-      --reward hpsv2:1.0                   # ours: DanceGRPO's FLUX reward, as our GRPO recipe (verl-omni: an OCR
-                                           #   GenRM; Flow-GRPO DPO: PickScore)
-    )
-    set -- --pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" \
-      "${RECIPE[@]}" --resume_from latest "${HPS_ARGS[@]}" "$@"
+    set -- --config "${RECIPE:-scripts/recipes/dpo.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+      --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --resume_from latest "${HPS_ARGS[@]}" "$@"
   else
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-flux-offline}
-    # offline: --prompts_per_step is pairs per step; Diffusion-DPO trained on 2048 pairs per step (SD1.5)
-    set -- --pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" \
-      "${RECIPE[@]}" --preference_file "$PREFERENCE_FILE" --prompts_per_step $((8 * WORLD)) --train_batch_size 4 \
+    set -- --config "${RECIPE:-scripts/recipes/dpo_offline.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+      --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --preference_file "$PREFERENCE_FILE" \
       --resume_from latest "$@"
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}

@@ -9,7 +9,8 @@
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
 #      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
-#      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (toy world: held-out embeddings manifest).
+#      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (toy world: held-out embeddings manifest),
+#      RECIPE (with MODEL_PATH: the --config recipe, default scripts/recipes/nft.yaml; relative to the repo root).
 # Everything after the script name is passed to train_nft.py and wins over the defaults below.
 # --resume_from latest is passed: re-running after a preemption continues from the newest checkpoint.
 # --dry_run prints the batch arithmetic and the per-rank memory plan for NPROC_PER_NODE x NNODES ranks and exits
@@ -45,42 +46,10 @@ else
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/nft-flux}
   HPS_ARGS=()
   if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
-  # No public DiffusionNFT recipe for FLUX exists (the published code trains SD3.5-M with LoRA); this takes its
-  # values one by one from NVlabs/DiffusionNFT config/nft.py (_get_config, sd3_hpsv2), config/base.py and
-  # scripts/train_nft_sd3.py, with FLUX.1-dev's own sampling settings; "ours" marks our choices.
-  RECIPE=(
-    --h 512 --w 512                        # config.resolution 512
-    --sampling_steps 10                    # sample.num_steps 10 (training rollouts; eval uses 40)
-    --solver dpm2                          # sample.deterministic True, sample.solver "dpm2"
-    --guidance_scale 3.5                   # CFG-free as sample.guidance_scale 1.0; 3.5 is FLUX.1-dev's distilled
-                                           #   guidance embedding, not CFG (ours)
-    --num_generations 24                   # sample.num_image_per_prompt 24
-    --prompts_per_step 48                  # 48 prompt groups per epoch (num_groups = 48)
-    --train_batch_size 9                   # sample/train batch_size 9 per GPU -> 16 micro-batches per rank,
-                                           #   gradient_step_per_epoch 1: one optimizer step per rollout
-    --nft_beta 1.0                         # config.beta 1.0 (0.1 for OCR / multi-reward)
-    --kl_beta 1e-4                         # train.beta 0.0001
-    --adv_mode all --adv_clip_max 5        # train.adv_mode "all", train.adv_clip_max 5
-    --global_std                           # sample.global_std True
-    --timestep_fraction 0.99               # train.timestep_fraction 0.99
-    --old_decay_schedule linear            # config.decay_type 1 (decay_type 2 = delayed, their OCR config)
-    --old_update_interval 1                # old adapter updated after every epoch
-    --lora_rank 32 --lora_alpha 64         # train_nft_sd3.py LoraConfig(r=32, lora_alpha=64)
-    --learning_rate 3e-4                   # train.learning_rate 3e-4
-    --lr_scheduler constant                # constant learning rate, no warm-up
-    --weight_decay 1e-4                    # train.adam_weight_decay 1e-4
-    --max_grad_norm 1.0                    # train.max_grad_norm 1.0
-    --reward hpsv2:1.0                     # sd3_hpsv2 (HPS v2.1 checkpoint: HPS_CHECKPOINT)
-    --mixed_precision bf16                 # ours: bf16 compute, fp32 master weights (theirs: fp16 autocast)
-    --gradient_checkpointing               # ours (memory at 12B)
-    --max_train_steps 300                  # ours (their num_epochs runs until stopped)
-    --seed 42                              # config.seed 42
-    --checkpointing_steps 40               # ours (as the GRPO recipe)
-    --sample_every 10                      # ours only: sample grids
-    --rollout_batch_size 18                # ours only: samples per rollout forward (speed, not maths)
-  )
-  set -- --pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" \
-    "${RECIPE[@]}" --resume_from latest "${HPS_ARGS[@]}" "$@"
+  # DiffusionNFT's values (its published code trains SD3.5-M) with FLUX.1-dev's sampling, each with its source:
+  # scripts/recipes/nft.yaml (RECIPE=FILE takes another; flags after the script name still win)
+  set -- --config "${RECIPE:-scripts/recipes/nft.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+    --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --resume_from latest "${HPS_ARGS[@]}" "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, TIMING_KEYS, run_torchrun
 
 from fastvideo import compare, record
 from fastvideo.logging import read_metrics
 from fastvideo.seeding import NoiseSource
 
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
 COMMON = ("--device", "cpu", "--h", "64", "--w", "64", "--sampling_steps", "4", "--rollout_batch_size", "4",
           "--no-progress_bar", "--max_train_steps", "2", "--lora_rank", "4", "--sample_every", "1")
 TRAINERS = {

@@ -134,6 +134,13 @@ def test_lora_and_full_finetune_equal_flux_pipeline_and_compare_grid(tiny_flux_d
     _assert_pipeline_equal(tuned, _pipeline_pngs(tiny_flux_dir, tuned, rows, lora_dir=lora_dir), rows)
     grid = tuned / "compare.png"
     assert "comparison:" in proc.stdout and grid.is_file()
+    paired = json.loads((tuned / "compare.json").read_text())["rewards"]["total"]
+    base_rows = [json.loads(line) for line in (base_run / "index.jsonl").read_text().splitlines()]
+    diffs = torch.tensor([r["total"] - b["total"] for r, b in zip(rows, base_rows)], dtype=torch.float64)
+    assert paired["difference"] == pytest.approx(float(diffs.mean()), rel=1e-9, abs=1e-15)
+    assert paired["this"] - paired["base"] == pytest.approx(paired["difference"], rel=1e-9, abs=1e-15)
+    half = 4.303 * float(diffs.view(3, 2).mean(1).std()) / 3 ** 0.5  # paired by prompt: 3 prompt means
+    assert paired["difference_ci95_high"] - paired["difference"] == pytest.approx(half, rel=1e-9)
     with Image.open(grid) as img:
         assert img.size[0] > 2 * 2 * 192 and img.size[1] > 3 * 192  # 3 prompts x (2 base + 2 tuned), enlarged
         assert np.asarray(img.convert("L")).std() > 10

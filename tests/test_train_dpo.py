@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, assert_lora_changes_pipeline, run_torchrun, validate_flags
+from helpers import REPO, TIMING_KEYS, assert_lora_changes_pipeline, run_torchrun, validate_flags
 
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
 from fastvideo.logging import read_metrics
 
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
 
 
 def dpo_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, assert_lora_changes_pipeline, make_embeddings, run_torchrun
+from helpers import REPO, TIMING_KEYS, assert_lora_changes_pipeline, make_embeddings, run_torchrun
 
 from fastvideo.logging import read_metrics
 
 # Keys whose values are wall-clock or memory readings: they legitimately differ between runs.
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
 
 
 def common_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

@@ -89,7 +89,7 @@ def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from fastvideo.config import RewardOptions, build_parser
+    from fastvideo.config import RewardOptions, build_parser, parse_with_config
     from fastvideo.training import REWARD_PATH_FLAGS
 
     parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
@@ -102,7 +102,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="scores.jsonl to write")
     parser.add_argument("--device", default=None, help="cuda | npu | cpu (default: first available in that order)")
     parser.add_argument("--batch_size", type=int, default=16, help="images per reward call (default: 16)")
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     args.path_flags = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
     return args
 
