@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             (out / "compare.json").write_text(json.dumps({"base": args.compare, "rewards": paired}, indent=2) + "\n")
             for name, c in paired.items():
                 print(f"  {name}: base {c['base']:.6g} -> {c['this']:.6g}, difference {c['difference']:+.4g} [95% "
-                      f"{c['difference_ci95_low']:+.4g}, {c['difference_ci95_high']:+.4g}] (paired by prompt and noise, "
-                      f"{c['num_images']} images)", flush=True)
+                      f"{c['difference_ci95_low']:+.4g}, {c['difference_ci95_high']:+.4g}] (paired by prompt and "
+                      f"noise, {c['num_images']} images)", flush=True)
             print(f"comparison: {grid}\n            {out / 'compare.json'}", flush=True)
     D.cleanup()
 

@@ -320,7 +320,7 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
     """Encode this rank's unfinished shards (only the text encoders are loaded, and freed after), then rank 0 checks
     every shard and writes the manifest. A collective (every rank calls it, in a process group or alone); returns
     ``{"encoded": shards, "kept": shards, "manifest": dict (rank 0) or None}``."""
-    from fastvideo import distributed
+    from fastvideo import devices, distributed
     from fastvideo.flux import encode_prompts, load_text_encoders
 
     rank, world_size = distributed.get_rank(), distributed.get_world_size()
@@ -339,7 +339,8 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
                 pooled.append(p.cpu())  # (b, Dp)
                 truncated.extend(bool(x) for x in t)
             writer.write_shard(shard, torch.cat(embeds), torch.cat(pooled), truncated)
-        del encoders
+        del encoders  # T5-XXL is 4.7B parameters: give its memory back before the caller loads the transformer
+        devices.empty_cache(device)
     counts = distributed.all_gather_object((len(todo), len(mine) - len(todo)))
     distributed.barrier()
     manifest = writer.finalize() if rank == 0 else None

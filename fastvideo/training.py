@@ -479,11 +479,14 @@ class Run:
         dataset.check_encoders(args.pretrained_model_name_or_path)
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
         if args.eval_prompts is not None:
+            from fastvideo.data import is_manifest
             from fastvideo.evaluation import prompt_manifest
 
-            manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
-                                       self.out / "eval_embeddings", max_sequence_length=dataset.max_sequence_length,
-                                       dtype=dataset.manifest["dtype"], device=self.device)
+            manifest = args.eval_prompts
+            if not is_manifest(manifest):  # a prompt file: encoded once, with the training data's length and dtype
+                manifest = prompt_manifest(manifest, args.pretrained_model_name_or_path, self.out / "eval_embeddings",
+                                           max_sequence_length=dataset.max_sequence_length,
+                                           dtype=dataset.manifest["dtype"], device=self.device)
             self.eval_dataset = EmbeddingDataset(manifest)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path)
             check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
@@ -731,7 +734,8 @@ class Run:
             self.recorder.end_step(step, metrics, trace, self.step_grad_norms)
         self.step_grad_norms = []
         self.bar.update(1)
-        self.bar.set_postfix(**display_values(metrics), **{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
+        self.bar.set_postfix(**display_values(metrics),
+                             **{k: fmt.format(float(metrics[k])) for k, fmt in postfix.items()})
         if (images is not None and args.sample_every and (step % args.sample_every == 0 or step == 1)
                 and self.dist.is_main):
             grid = save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")

@@ -56,7 +56,8 @@ def test_yaml_values_and_command_line_override(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("# a recipe\nlearning_rate: 1e-5   # YAML reads this as a string; argparse converts it\n"
                     "sampling_steps: 8\nsde_window_range: [1, 5]\nsde_window_size: 2\nuse_ema: true\n"
-                    "progress_bar: false\nlora_target_modules: [to_q, to_k]\nshift: null\nreward: 'jpeg_compressibility:1'\n")
+                    "progress_bar: false\nlora_target_modules: [to_q, to_k]\nshift: null\n"
+                    "reward: 'jpeg_compressibility:1'\n")
     args = C.parse_grpo_args(["--config", str(path), "--sampling_steps", "10"])
     assert args.learning_rate == 1e-5 and isinstance(args.learning_rate, float)
     assert args.sampling_steps == 10  # the command line wins
