@@ -51,6 +51,7 @@ def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
     assert "metrics: " in proc.stdout and "export: " in proc.stdout
 
 
+@pytest.mark.slow  # 22 s; the default demo's launcher path is test_grpo_launcher_builds_the_toy_world_and_trains
 def test_grpo_launcher_jpeg_demo(tmp_path, demo_data_dir):
     """DEMO=jpeg: the tiny FLUX made JPEG-compressible (the embedded default before the toy world)."""
     proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1"],

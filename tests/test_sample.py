@@ -187,10 +187,11 @@ def test_errors_name_the_fix_before_loading(tiny_flux_dir, prompts, base_run, tm
     for flags, error, message in cases:
         with pytest.raises(error, match=message):
             validate_sample(sample.parse_args([*common, *flags]))
-    other = tmp_path / "other.txt"
-    other.write_text("a different prompt\n")
-    proc = subprocess.run([sys.executable, "sample.py", *common, "--prompts", str(other), "--compare", str(base_run),
-                           "--device", "cpu", "--max_sequence_length", "32"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode != 0 and "sample both with the same --prompts" in proc.stderr
-    assert not (tmp_path / "o" / "images").exists()  # refused before any image was made
+    from fastvideo.evaluation import check_compare_prompts, read_sample_dir
+
+    base = read_sample_dir(base_run)  # sample.py checks the prompts after encoding them, before the models load
+    check_compare_prompts(base, prompts.read_text().splitlines(), str(base_run))
+    with pytest.raises(ValueError, match="sample both with the same --prompts"):
+        check_compare_prompts(base, ["a different prompt"], str(base_run))
+    with pytest.raises(ValueError, match="holds no image of this run's prompts"):
+        check_compare_prompts({"rows": [r for r in base["rows"] if r["prompt_id"] > 0]}, ["x"], str(base_run))
