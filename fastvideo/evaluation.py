@@ -213,7 +213,7 @@ def compare_summary(base_rows: list[dict], rows: list[dict]) -> dict[str, dict[s
 def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Path, max_prompts: int) -> Path:
     """OUT/compare.png: one row per prompt (the first ``max_prompts`` both runs sampled), its prompt, then the base
     run's images and this run's of the same (prompt, image index) -- the same noise -- with each image's total reward
-    when scored; small images are enlarged (nearest) to at least 192 px."""
+    when scored; images are shown 192 to 384 px wide."""
     from PIL import Image, ImageDraw
 
     mine = {(r["prompt_id"], r["sample_index"]): r for r in rows}
@@ -223,8 +223,10 @@ def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Pa
     per_prompt = max(sum(1 for p, _ in keys if p == pid) for pid in prompt_ids)
     with Image.open(out / rows[0]["path"]) as first:
         w, h = first.size
-    scale = max(1, -(-192 // max(w, h)))
-    cw, ch, text_w, label_h, gap = w * scale, h * scale, 220, 16, 12
+    # cells of 192..384 px: small images enlarged by an integer factor (nearest), FLUX-size ones shrunk (a grid of 8
+    # prompts x 2 x 4 images of 1024 px would be 8k x 8k)
+    scale = max(1, -(-192 // max(w, h))) if max(w, h) <= 384 else 384 / max(w, h)
+    cw, ch, text_w, label_h, gap = round(w * scale), round(h * scale), 220, 16, 12
     width = text_w + 2 * per_prompt * (cw + 4) + gap
     canvas = Image.new("RGB", (width, 22 + len(prompt_ids) * (ch + label_h + 8)), "white")
     draw = ImageDraw.Draw(canvas)
@@ -242,7 +244,8 @@ def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Pa
                     continue
                 x = text_w + side * (per_prompt * (cw + 4) + gap) + k * (cw + 4)
                 with Image.open(folder / row["path"]) as img:
-                    canvas.paste(img.convert("RGB").resize((cw, ch), Image.NEAREST), (x, y))
+                    resample = Image.NEAREST if scale >= 1 else Image.LANCZOS
+                    canvas.paste(img.convert("RGB").resize((cw, ch), resample), (x, y))
                 if "total" in row:
                     draw.text((x, y + ch + 2), f"{row['total']:.4g}", fill="black")
     path = out / "compare.png"
