@@ -607,8 +607,7 @@ def validate_sampling(args: argparse.Namespace) -> None:
                                           f"got {args.sde_window_size}")
     from fastvideo.rollout import default_window_range
 
-    _need(args.sde_window_range is None or args.sde_window_size > 0
-          or tuple(args.sde_window_range) == default_window_range(S),  # what validation resolves it to (config.json)
+    _need(args.sde_window_size > 0 or not changed_flags(args, ("sde_window_range",), {"sde_window_range": None}),
           "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "
           "--sde_window_size W or drop --sde_window_range")
     if args.sde_window_range is None:

@@ -6,7 +6,6 @@ read from each trainer ``--output_dir``'s metrics.jsonl, so runs can be checked 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -31,18 +30,9 @@ def read_rows(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: pass a trainer's --output_dir")
-    from fastvideo.logging import read_metrics
+    from fastvideo.record import read_jsonl
 
-    try:
-        rows = read_metrics(path)
-    except ValueError:
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
+    return [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
 
 
 def series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:

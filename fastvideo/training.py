@@ -479,14 +479,12 @@ class Run:
         dataset.check_encoders(args.pretrained_model_name_or_path)
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
         if args.eval_prompts is not None:
-            from fastvideo.data import is_manifest
             from fastvideo.evaluation import prompt_manifest
 
-            manifest = args.eval_prompts
-            if not is_manifest(manifest):  # a prompt file: encoded once, with the training data's length and dtype
-                manifest = prompt_manifest(manifest, args.pretrained_model_name_or_path, self.out / "eval_embeddings",
-                                           max_sequence_length=dataset.max_sequence_length,
-                                           dtype=dataset.manifest["dtype"], device=self.device)
+            # a prompt file is encoded once, with the training data's length and dtype; a manifest is used as it is
+            manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
+                                       self.out / "eval_embeddings", max_sequence_length=dataset.max_sequence_length,
+                                       dtype=dataset.manifest["dtype"], device=self.device)
             self.eval_dataset = EmbeddingDataset(manifest)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path)
             check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
@@ -586,7 +584,7 @@ class Run:
                                        rollout_config(args), noise, self.geometry, device=self.device,
                                        amp_dtype=self.amp_dtype)
         rewards, _ = self.score(images, [ds.prompts[i] for i in prompt_ids])  # gathered: entries >= total are padding
-        all_ids = D.all_gather_tensor(torch.tensor(prompt_ids))[:total]
+        all_ids = torch.arange(total) // args.eval_num_images  # the global order of evaluation.image_items
         summary = evaluation.reward_summary({k: v[:total] for k, v in rewards.items()}, all_ids)
         metrics = evaluation.eval_metrics(summary)
         shown = D.all_gather_tensor(images[:min(real, -(-16 // dist.world_size))].cpu())  # (<= 16 + world, 3, H, W)

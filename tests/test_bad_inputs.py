@@ -104,7 +104,7 @@ def test_manifest_of_another_sequence_length(tmp_path, tiny_flux_dir):
                            data_json_path=str(_store(tmp_path / "train", fingerprint, msl=8)),
                            eval_prompts=str(_store(tmp_path / "eval", fingerprint, msl=4)))
     with pytest.raises(ValueError, match="--eval_prompts has 4 text tokens.*--max_sequence_length 8"):
-        Run.sampling_inputs(SimpleNamespace(args=args))
+        Run.sampling_inputs(SimpleNamespace(args=args, out=tmp_path / "out", device=torch.device("cpu")))
 
 
 def test_missing_or_truncated_shards(tmp_path):
