@@ -316,6 +316,156 @@ def test_hps_architecture_mismatch_names_model_flag(tmp_path, tiny_hps):
         build_reward("hpsv2", "cpu", hps_checkpoint=str(ckpt), hps_model=str(path))
 
 
+def _open_clip_the_old_way(cfg_path, ckpt):
+    """What load_open_clip did before building on the meta device: random init, then open_clip.load_checkpoint."""
+    import open_clip
+    from open_clip.model import CLIP
+
+    net = CLIP(**json.loads(cfg_path.read_text()))
+    open_clip.load_checkpoint(net, str(ckpt), strict=True, weights_only=True)
+    return net.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("variant", ["hps", "fp32", "safetensors", "resized"])
+def test_open_clip_meta_load_is_bit_identical_to_random_init_then_load(tmp_path, tiny_hps, variant):
+    """No random init any more: same tensors (parameters and non-persistent buffers such as the causal attn_mask),
+    dtypes, layouts and HPS scores as building the model for real and copying the checkpoint in."""
+    import copy
+
+    from fastvideo.rewards._common import load_open_clip
+    from fastvideo.rewards.hpsv2 import TINY_MODEL_CONFIG, HPSv2Scorer
+
+    ckpt, cfg = tiny_hps  # fp16 {'state_dict': ...}, HPS's format
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    if variant == "fp32":  # a plain fp32 state dict: its tensors become the model's without a copy
+        ckpt = tmp_path / "fp32.pt"
+        torch.save({k: v.float() for k, v in state.items()}, ckpt)
+    elif variant == "safetensors":
+        from safetensors.torch import save_file
+
+        ckpt = tmp_path / "model.safetensors"
+        save_file({k: v.float().contiguous() for k, v in state.items()}, str(ckpt))
+    elif variant == "resized":  # open_clip interpolates both position embeddings (7x7 -> 8x8 grid, 77 -> 64 tokens)
+        ckpt = tmp_path / "fp32.pt"  # (in fp32: CPU has no fp16 antialiased bicubic, with or without this change)
+        torch.save({k: v.float() for k, v in state.items()}, ckpt)
+        other = json.loads(json.dumps(TINY_MODEL_CONFIG))
+        other["vision_cfg"]["image_size"] = 256
+        other["text_cfg"]["context_length"] = 64
+        cfg = tmp_path / "resized.json"
+        cfg.write_text(json.dumps(other))
+    net, _, preprocess = load_open_clip(str(cfg), ckpt, torch.device("cpu"), model_flag="--hps_model",
+                                        checkpoint_flag="--hps_checkpoint", reward="hpsv2")
+    old = _open_clip_the_old_way(cfg, ckpt)
+    if variant == "resized":
+        assert preprocess["size"] == 256 and net.attn_mask.shape == (64, 64)
+        assert net.visual.positional_embedding.shape == (65, 32) and net.positional_embedding.shape == (64, 32)
+
+    tensors = dict(net.named_parameters()) | dict(net.named_buffers())
+    reference = dict(old.named_parameters()) | dict(old.named_buffers())
+    assert "attn_mask" in tensors and list(tensors) == list(reference)
+    for name, t in tensors.items():
+        ref = reference[name]
+        assert (t.dtype, t.device, t.shape, t.stride()) == (ref.dtype, ref.device, ref.shape, ref.stride()), name
+        assert torch.equal(t, ref), name
+        assert not t.requires_grad and type(t) is type(ref), name
+    assert len({t.data_ptr() for t in tensors.values()}) == len(tensors)  # nothing aliased
+    assert not net.training and not any(m.training for m in net.modules())
+
+    scorer = HPSv2Scorer(ckpt, str(cfg), "cpu")
+    old_scorer = copy.copy(scorer)
+    old_scorer.model = old
+    for h, w in [(224, 224), (64, 96), (300, 200)]:
+        images = _smooth_images(3, h, w, seed=h)
+        assert torch.equal(scorer(images, PROMPTS), old_scorer(images, PROMPTS))
+
+
+def test_open_clip_meta_load_reports_a_mismatch_as_copying_did(tmp_path, tiny_hps):
+    """load_state_dict's strict errors (sizes, missing and unexpected keys) read as they did with a real model."""
+    import open_clip
+    from open_clip.model import CLIP
+
+    from fastvideo.rewards._common import _load_checkpoint_assigning, _parameters_on_meta
+    from fastvideo.rewards.hpsv2 import TINY_MODEL_CONFIG
+
+    ckpt, _ = tiny_hps
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    state["extra.weight"] = state.pop("text_projection")
+    broken = tmp_path / "broken.pt"
+    torch.save({"state_dict": state}, broken)
+    other = json.loads(json.dumps(TINY_MODEL_CONFIG))
+    other["vision_cfg"]["width"] = 48
+    for config, path in [(other, ckpt), (TINY_MODEL_CONFIG, broken)]:
+        with pytest.raises(RuntimeError) as old:
+            open_clip.load_checkpoint(CLIP(**json.loads(json.dumps(config))), str(path), strict=True)
+        with _parameters_on_meta():
+            net = CLIP(**json.loads(json.dumps(config)))
+        assert net.text_projection.is_meta and not net.attn_mask.is_meta
+        with pytest.raises(RuntimeError) as new:
+            _load_checkpoint_assigning(net, path, torch.device("cpu"))
+        assert str(new.value) == str(old.value) and "Error(s) in loading state_dict for CLIP" in str(new.value)
+        assert "load_state_dict" not in vars(net)  # the instance's override is gone again
+    with pytest.raises(ValueError, match="--hps_checkpoint.*does not fit"):
+        build_reward("hpsv2", "cpu", hps_checkpoint=str(broken), hps_model=str(tiny_hps[1]))
+
+
+def test_parameters_on_meta_only_in_the_calling_thread():
+    import threading
+
+    from fastvideo.rewards._common import _parameters_on_meta
+
+    built = {}
+    with _parameters_on_meta():
+        here = torch.nn.Linear(3, 2)
+        thread = threading.Thread(target=lambda: built.setdefault("other", torch.nn.Linear(3, 2)))
+        thread.start()
+        thread.join()
+    assert here.weight.is_meta and here.bias.is_meta and type(here.weight) is torch.nn.Parameter
+    assert not built["other"].weight.is_meta
+    assert not torch.nn.Linear(3, 2).weight.is_meta  # the hook is removed on exit
+
+
+def test_open_clip_falls_back_to_real_init(monkeypatch, tiny_hps):
+    """A tower that cannot be built with meta parameters is initialised for real, then loaded as before."""
+    import contextlib
+
+    from fastvideo.rewards import _common
+
+    @contextlib.contextmanager
+    def unsupported():
+        raise NotImplementedError("no meta kernel")
+        yield
+
+    ckpt, cfg = tiny_hps
+    monkeypatch.setattr(_common, "_parameters_on_meta", unsupported)
+    net, _, _ = _common.load_open_clip(str(cfg), ckpt, torch.device("cpu"), model_flag="-", checkpoint_flag="-",
+                                       reward="hpsv2")
+    old = _open_clip_the_old_way(cfg, ckpt)
+    assert all(torch.equal(t, old.state_dict()[k]) for k, t in net.state_dict().items())
+    assert not net.attn_mask.is_meta and torch.equal(net.attn_mask, old.attn_mask)
+
+
+def test_buffer_derived_from_parameters_falls_back_to_real_init():
+    """A buffer computed from a parameter would be left on the meta device (Swin's attn_mask): built for real."""
+    from fastvideo.rewards._common import _build_uninitialised
+
+    class Derived(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(n))
+            self.register_buffer("twice", self.w.detach() * 2, persistent=False)
+
+    class Plain(Derived):
+        def __init__(self, n: int):
+            torch.nn.Module.__init__(self)
+            self.w = torch.nn.Parameter(torch.ones(n))
+            self.register_buffer("twice", torch.full((n,), 2.0), persistent=False)
+
+    derived = _build_uninitialised(Derived, {"n": 3}, torch.device("cpu"))
+    assert not derived.w.is_meta and torch.equal(derived.twice, torch.full((3,), 2.0))
+    plain = _build_uninitialised(Plain, {"n": 3}, torch.device("cpu"))
+    assert plain.w.is_meta and torch.equal(plain.twice, torch.full((3,), 2.0))
+
+
 def test_hps_nan_image_names_reward_and_prompt(hps_fn):
     images = _smooth_images(3, 32, 32)
     images[2] = float("nan")

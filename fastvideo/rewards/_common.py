@@ -5,10 +5,12 @@ imported inside the functions that need them, so ``import fastvideo.rewards`` st
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +191,78 @@ def read_checkpoint(path: str | Path, flag: str, reward: str) -> Any:
         raise unreadable_checkpoint(path, flag, reward, err) from err
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get every ``nn.Parameter`` on the meta device (init runs on shapes only, nothing is
+    allocated); their buffers, e.g. the text tower's causal ``attn_mask`` (non-persistent: not in checkpoints),
+    are built for real. Uses torch's global parameter-registration hook, limited to the calling thread."""
+    owner = threading.get_ident()
+
+    def to_meta(module: torch.nn.Module, name: str, param: Any) -> torch.nn.Parameter | None:
+        if type(param) is not torch.nn.Parameter or threading.get_ident() != owner:
+            return None  # keep it: another thread's module, or a special parameter (lazy, ...)
+        return torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _load_checkpoint_assigning(net: torch.nn.Module, checkpoint: str | Path, device: torch.device) -> None:
+    """``open_clip.load_checkpoint(net, checkpoint, strict=True, weights_only=True)``, the checkpoint's tensors
+    becoming ``net``'s (``load_state_dict(assign=True)``) instead of being copied into them, so ``net`` may hold
+    meta parameters. open_clip's own massaging (``state_dict``/``module.`` unwrapping, ``logit_scale`` reshape,
+    position-embedding resizing) runs unchanged; each tensor is then cast to the dtype of the model's tensor it
+    replaces, contiguous on ``device`` -- what copying it in would have made -- and the source dropped at once (a
+    fp32 checkpoint loaded to the CPU is used in place: one copy of the weights in memory). Strict: a checkpoint that
+    does not fit raises load_state_dict's RuntimeError, as copying would."""
+    import open_clip
+
+    targets = net.state_dict(keep_vars=True)
+
+    def load_state_dict(state_dict: dict, strict: bool = True, assign: bool = False) -> Any:
+        fitted = {}
+        for key in list(state_dict):
+            value = state_dict.pop(key)
+            target = targets.get(key)
+            if target is not None and torch.is_tensor(value):
+                value = value.to(device=device if target.is_meta else target.device, dtype=target.dtype)
+                if not value.is_contiguous():  # e.g. open_clip's resized text positions, a transposed view
+                    value = value.contiguous()
+                elif value.untyped_storage().nbytes() != value.numel() * value.element_size():
+                    value = value.clone()  # a view into a larger storage: keep only its own elements
+            fitted[key] = value
+        return type(net).load_state_dict(net, fitted, strict=strict, assign=True)
+
+    net.load_state_dict = load_state_dict  # the instance's, for open_clip.load_checkpoint's one call
+    try:
+        open_clip.load_checkpoint(net, str(checkpoint), strict=True, weights_only=True)
+    finally:
+        del net.load_state_dict
+    left = [name for name, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if left:  # cannot happen with strict loading; guards against a tensor silently left unloaded
+        raise RuntimeError(f"open_clip model tensors not loaded from the checkpoint: {left[:5]}")
+
+
+def _build_uninitialised(model_class: type, cfg: dict, device: torch.device) -> torch.nn.Module:
+    """``model_class(**cfg)`` on ``device`` with its parameters on the meta device, to be assigned from a checkpoint:
+    no random init. Towers that cannot be built so (some timm ones run their layers in ``__init__``, or derive a
+    buffer from parameters, as Swin's ``attn_mask``) are built and randomly initialised for real, as before."""
+    try:
+        with torch.device(device), _parameters_on_meta():  # buffers (attn_mask) are built for real, on the device
+            net = model_class(**copy.deepcopy(cfg))
+        meta_state = any(t.is_meta for t in net.buffers()) or any(
+            torch.is_tensor(v) and v.is_meta for m in net.modules() for v in vars(m).values())
+        if not meta_state:
+            return net
+    except Exception:  # noqa: BLE001 - whatever a tower's __init__ raises on meta tensors
+        pass
+    with torch.device(device):
+        return model_class(**cfg)
+
+
 def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, model_flag: str,
                    checkpoint_flag: str, reward: str) -> tuple[torch.nn.Module, Callable, dict]:
     """Build an open_clip CLIP from ``model`` (name or JSON), load ``checkpoint`` strictly, eval/no-grad on device.
@@ -212,10 +286,9 @@ def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, 
     # Read it weights-only ourselves first: an unreadable file fails before the model is built, and open_clip's own
     # read of it below then succeeds, so its fallback to an unrestricted torch.load (on a TypeError) never runs.
     read_checkpoint(checkpoint, checkpoint_flag, reward)
-    with torch.device(device):  # random init directly on the device (fast on GPU), then overwritten
-        net = model_class(**cfg)
+    net = _build_uninitialised(model_class, cfg, device)
     try:
-        open_clip.load_checkpoint(net, str(checkpoint), strict=True, weights_only=True)
+        _load_checkpoint_assigning(net, checkpoint, device)
     except RuntimeError as e:
         if "loading state_dict" not in str(e):
             raise
