@@ -77,7 +77,14 @@ def empty_cache(device: torch.device | str) -> None:
 
 
 def _host_peak_gb() -> float:
-    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process since start or ``reset_peak_memory`` (Linux VmHWM; elsewhere
+    ru_maxrss: KiB on Linux, bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform != "darwin" else peak / 2**30
 
@@ -108,10 +115,16 @@ def max_memory_allocated_gb(device: torch.device | str) -> float:
 
 
 def reset_peak_memory(device: torch.device | str) -> None:
-    """Start a new peak for ``max_memory_allocated_gb``; a no-op on the CPU (the process's max RSS cannot reset)."""
+    """Start a new peak for ``max_memory_allocated_gb``: the accelerator allocator's, or on a Linux CPU the process's
+    peak RSS (VmHWM, reset through /proc/self/clear_refs; elsewhere a no-op: the max RSS cannot reset)."""
     module = device_module(device)
     if module is not None and hasattr(module, "reset_peak_memory_stats"):
         module.reset_peak_memory_stats(device)
+    elif module is None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
 
 
 def autocast(device: torch.device | str, dtype: torch.dtype | None) -> ContextManager:
