@@ -80,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluation.check_compare_prompts(base, dataset.prompts[:n], args.compare)
 
     # ---- 2. models: reward, transformer (+ LoRA), VAE ---------------------------------------------------------
-    reward_fn = (build_reward(args.reward, dist.device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
+    reward_fn = (build_reward(args.reward, dist.device, batch_size=args.reward_batch_size,
+                              **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
                  if args.reward else None)
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     model = load_model(args, dist.device, amp_dtype or torch.float32)

@@ -56,6 +56,8 @@ class SamplingOptions:
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
     rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
+    decode_batch_size: int = opt(0, "latents per VAE decode call (0 = a whole rollout micro-batch); lower it when the "
+                                    "decode, not the transformer, runs out of memory (the images do not change)")
     last_step: str = opt(
         "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
         "code; chosen by measurement on the demo, see README) | ode = the deterministic Euler step, which is exactly "
@@ -133,6 +135,8 @@ class ParallelOptions:
     use_cpu_offload: bool = opt(False, "offload FSDP parameters, gradients and optimizer state to the CPU (needs "
                                        ">= 2 ranks; adds a gloo backend for CPU collectives)")
     gradient_checkpointing: bool = opt(False, "recompute transformer blocks in backward to save memory")
+    compile: bool = opt(False, "torch.compile every transformer block (fused kernels; the first rollout and update "
+                               "of each batch size compile, minutes at 12B). See README Performance for when it pays")
     gradient_sync: str = opt(
         "auto", "when FSDP2 reduce-scatters gradients: backward = after every backward (each rank keeps only its "
         "fp32 gradient shard, 4 B/param/world; more communication) | step = once per optimizer step (every rank "
@@ -154,6 +158,8 @@ class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
                                    "jpeg_incompressibility, toyworld)")
+    reward_batch_size: int = opt(0, "images per reward-model call (0 = all of a rank's images in one call); lower it "
+                                    "when a large reward model (HPS ViT-H) runs out of memory (scores do not change)")
     hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
     hps_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for the HPS checkpoint")
     pickscore_model: str | None = opt(None, "local PickScore CLIPModel folder for the pickscore reward")
@@ -552,6 +558,7 @@ def validate_common(args: argparse.Namespace) -> None:
         from fastvideo.evaluation import check_prompts_path
 
         check_prompts_path("--eval_prompts", args.eval_prompts)
+    _need(args.reward_batch_size >= 0, f"--reward_batch_size must be >= 0 (0 = one call), got {args.reward_batch_size}")
     _need(getattr(args, "dry_run_world_size", None) is None or args.dry_run_world_size >= 1,
           f"--dry_run_world_size must be >= 1, got {getattr(args, 'dry_run_world_size', None)}")
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
@@ -602,6 +609,8 @@ def validate_sampling(args: argparse.Namespace) -> None:
     _need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
     _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
     _need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
+    _need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = the rollout micro-batch), got "
+                                       f"{args.decode_batch_size}")
     S = args.sampling_steps
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")

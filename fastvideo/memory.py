@@ -408,7 +408,8 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
             {k: v for k, v in vae_config.items() if not k.startswith("_")}))
     items.append(PlanItem("VAE (fp32, frozen)", 4 * vae_params, phase="persistent",
                           note=f"{vae_params / 1e6:.1f}M params"))
-    items.append(PlanItem(f"VAE decode, batch of {rb}", vae_decode_bytes(vae_config, rb, geometry.latent_h,
+    db = min(getattr(args, "decode_batch_size", 0) or rb, rb)  # --decode_batch_size (0 = the rollout micro-batch)
+    items.append(PlanItem(f"VAE decode, batch of {db}", vae_decode_bytes(vae_config, db, geometry.latent_h,
                                                                         geometry.latent_w, torch.float32),
                           phase="decode", note="fp32, no grad"))
     from fastvideo.rewards import parse_reward_spec

@@ -158,8 +158,10 @@ def shard_model(
     cpu_offload: bool = False,
     gradient_checkpointing: bool = False,
     hybrid_shard_size: int | None = None,
+    compile: bool = False,
 ) -> nn.Module:
-    """Apply activation checkpointing, then FSDP to every transformer block, then FSDP to the root.
+    """Apply activation checkpointing, ``torch.compile`` to every transformer block (``compile``: static shapes, a
+    graph per batch size and grad mode, compiled at first use), then FSDP to every block, then FSDP to the root.
 
     Returns the model to train, on ``distributed.info().device``: the same object for FSDP2 and world size 1, a
     ``FullyShardedDataParallel`` wrapper for FSDP1 (use ``unwrap_model`` to reach ``.config``). Pass the model on
@@ -174,6 +176,9 @@ def shard_model(
     validate_parallel_options(fsdp_version, sharding_strategy, mixed_precision)
     if gradient_checkpointing:
         _enable_gradient_checkpointing(model)
+    if compile:
+        for block in transformer_blocks(model):
+            block.compile(dynamic=False)
     device = distributed.info().device
     on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if not distributed.is_distributed():

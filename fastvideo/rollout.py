@@ -53,6 +53,7 @@ class RolloutConfig:
     init_same_noise: bool = False
     decode_x0: bool = False  # decode the last predicted x0_hat (DanceGRPO) instead of the final latent
     batch_size: int = 8  # samples per transformer call
+    decode_batch_size: int = 0  # latents per VAE decode call (0 = the whole micro-batch)
     # "sde": the last step (sigma' = 0) is stochastic like the others, though never trained (Flow-GRPO's code);
     # "ode": it is the deterministic Euler step, which lands exactly on that step's x0_hat, so the scored image
     # carries no noise the policy cannot influence (same image as decode_x0, DanceGRPO's choice)
@@ -69,6 +70,8 @@ class RolloutConfig:
             raise ValueError(f"eta must be >= 0 (0 = ODE sampling), got {self.eta}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
+        if self.decode_batch_size < 0:
+            raise ValueError(f"decode_batch_size must be >= 0 (0 = the rollout micro-batch), got {self.decode_batch_size}")
         if self.last_step not in LAST_STEP_MODES:
             raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
         if self.solver not in ODE_SOLVERS:
@@ -236,7 +239,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
             x = x_next
         devices.synchronize(device)
         t1 = time.perf_counter()
-        images.append(flux.decode(vae, clean[mb], geometry).float())
+        images.append(flux.decode(vae, clean[mb], geometry, micro_batch=cfg.decode_batch_size or None).float())
         devices.synchronize(device)
         t_sample += t1 - t0
         t_decode += time.perf_counter() - t1

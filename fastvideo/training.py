@@ -148,7 +148,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     transformer.train()
     shard_kwargs = dict(fsdp_version=args.fsdp_version, sharding_strategy=args.fsdp_sharding_strategy,
                         mixed_precision=_fsdp_precision(args.mixed_precision, device),
-                        cpu_offload=args.use_cpu_offload)
+                        cpu_offload=args.use_cpu_offload, compile=args.compile)
     transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
                                        **shard_kwargs)
     folder = flux.transformer_folder(args.pretrained_model_name_or_path)
@@ -415,7 +415,8 @@ def rollout_config(args: argparse.Namespace) -> Any:
                          eta=args.eta, shift=args.shift, guidance=args.guidance_scale,
                          sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
                          init_same_noise=args.init_same_noise, decode_x0=args.decode_x0,
-                         batch_size=args.rollout_batch_size, last_step=args.last_step,
+                         batch_size=args.rollout_batch_size, decode_batch_size=args.decode_batch_size,
+                         last_step=args.last_step,
                          solver=getattr(args, "solver", "euler"))
 
 
@@ -524,7 +525,8 @@ class Run:
             save_config(self.config, self.out / "config.json")
         self.memory_baseline = current_memory_gb(self.device, import_model_libraries=True)
         if reward or self.eval_dataset is not None:
-            self.reward_fn = build_reward(args.reward, self.device, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
+            self.reward_fn = build_reward(args.reward, self.device, batch_size=args.reward_batch_size,
+                                          **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
         self.policy = build_policy(args, self.device, need_reference=need_reference, ref_snapshot=ref_snapshot,
                                    old_policy=old_policy)
         self.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, self.policy.is_lora) == "backward"

@@ -91,6 +91,9 @@ def test_batched_equals_per_sample_and_batch_size_invariant(parts):
         other = _run(parts, _cfg(batch_size=bs), prompt_ids, sample_indices)
         for name in ("latents", "log_probs", "images"):
             torch.testing.assert_close(getattr(other, name), getattr(ref, name), rtol=0, atol=1e-5)
+    chunked = _run(parts, _cfg(batch_size=8, decode_batch_size=3), prompt_ids, sample_indices)  # decode 3 + 3 + 2
+    assert torch.equal(chunked.latents, ref.latents)
+    torch.testing.assert_close(chunked.images, ref.images, rtol=0, atol=1e-6)
     for b in (0, 5, 7):  # one sample on its own: noise is keyed per sample, not per batch position
         single = _run(parts, _cfg(), [prompt_ids[b]], [sample_indices[b]])
         torch.testing.assert_close(single.latents[0], ref.latents[b], rtol=0, atol=1e-5)
@@ -224,6 +227,8 @@ def test_config_and_input_errors(parts):
         _cfg(sde_window_size=3, sde_window_range=(0, 2))
     with pytest.raises(ValueError, match="sde_type"):
         _cfg(sde_type="ddpm")
+    with pytest.raises(ValueError, match="decode_batch_size"):
+        _cfg(decode_batch_size=-1)
     with pytest.raises(ValueError, match="sample_indices"):
         _run(parts, _cfg(), [0, 1], [0])
     with pytest.raises(ValueError, match="geometry"):

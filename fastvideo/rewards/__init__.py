@@ -119,6 +119,7 @@ class RewardFn:
 
     components: list[tuple[str, float, Scorer]]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    batch_size: int = 0  # images per scorer call (0 = the whole batch at once); bounds a large reward model's memory
 
     @property
     def names(self) -> list[str]:
@@ -141,9 +142,11 @@ class RewardFn:
             raise ValueError(f"got {images.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
         out: dict[str, torch.Tensor] = {}
         total = torch.zeros(images.shape[0], dtype=torch.float32)
+        step = self.batch_size or images.shape[0]
         with torch.no_grad():
             for name, weight, scorer in self.components:
-                result = scorer(images, prompts)
+                chunks = [scorer(images[i:i + step], prompts[i:i + step]) for i in range(0, images.shape[0], step)]
+                result = chunks[0] if len(chunks) == 1 else _concat(chunks)
                 if isinstance(result, dict):  # "score" is the component; the rest are logged as name_key
                     assert "score" in result, f"reward {name!r} returned a dict without 'score': {sorted(result)}"
                     entries = {name: result["score"], **{f"{name}_{k}": v for k, v in result.items() if k != "score"}}
@@ -159,6 +162,13 @@ class RewardFn:
     def __repr__(self) -> str:
         spec = ",".join(f"{n}:{w:g}" for n, w, _ in self.components)
         return f"RewardFn({spec!r}, device={self.device})"
+
+
+def _concat(chunks: list) -> torch.Tensor | dict[str, torch.Tensor]:
+    """One scorer's results over micro-batches, joined: (B,) tensors, or dicts of them."""
+    if isinstance(chunks[0], dict):
+        return {k: torch.cat([c[k].reshape(-1) for c in chunks]) for k in chunks[0]}
+    return torch.cat([c.reshape(-1) for c in chunks])
 
 
 def _check_finite(name: str, scores: torch.Tensor, images: torch.Tensor, prompts: list[str]) -> None:
@@ -179,7 +189,7 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  pickscore_model: str | None = None, pickscore_processor: str | None = None,
                  clip_checkpoint: str | None = None, clip_model: str = "ViT-H-14",
                  aesthetic_checkpoint: str | None = None, aesthetic_clip_checkpoint: str | None = None,
-                 aesthetic_clip_model: str = "ViT-L-14-quickgelu") -> RewardFn:
+                 aesthetic_clip_model: str = "ViT-L-14-quickgelu", batch_size: int = 0) -> RewardFn:
     """Build the weighted reward of ``spec``; every path is validated before any model is loaded.
 
     Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON).
@@ -187,6 +197,8 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
     from ._common import looks_like_path, require_path
 
     components = parse_reward_spec(spec)
+    if batch_size < 0:
+        raise ValueError(f"--reward_batch_size must be >= 0 (0 = the whole batch in one call), got {batch_size}")
     device = torch.device(device)
     paths = dict(hps_checkpoint=hps_checkpoint, hps_model=hps_model,
                  pickscore_model=pickscore_model, pickscore_processor=pickscore_processor,
@@ -203,7 +215,7 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
     for name, weight in components:
         module_name, factory = _REGISTRY[name]
         built.append((name, weight, getattr(importlib.import_module(module_name), factory)(device, **paths)))
-    return RewardFn(built, device)
+    return RewardFn(built, device, batch_size)
 
 
 __all__ = ["REWARD_NAMES", "RewardFn", "Scorer", "build_reward", "parse_reward_spec"]
