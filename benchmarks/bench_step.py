@@ -1,0 +1,538 @@
+"""A whole GRPO step, ours vs the reference trainer's structure: per-phase time, speedup, MFU, peak memory.
+
+    python benchmarks/bench_step.py                     # bench preset, 2 ranks on this CPU, fp32 and bf16 autocast
+    python benchmarks/bench_step.py --smoke             # tiny preset, a minute: what CI runs
+    python benchmarks/bench_step.py --model flux-dev-shape --num_layers 2 --device cuda --nproc 1 --h 720 --w 720
+
+One torchrun of this file (``--worker``) runs, per dtype, both loops on the same model, data and settings, one after
+the other, each from the same initial weights and seed:
+
+- **ours**: ``train_grpo_flux.train`` itself, with the given batch sizes (one rollout and one replay micro-batch per
+  rank by default), its sharded EMA (a local lerp) and its sharded checkpoint;
+- **reference**: the same trainer with the structure of the reference FLUX GRPO trainer: batch-1 rollout, batch-1
+  VAE decode, batch-1 reward, batch-1 training with a gradient reduce-scatter after every backward, and after every
+  optimizer step the whole model gathered to rank 0 for an fp32 EMA kept there; its checkpoint gathers the model to
+  rank 0 and ``torch.save``s it.
+
+Time is attributed to phases by wrapping the package functions each phase calls (a phase entered inside another
+pauses it): rollout (sampling), decode, reward, train (replay forward/backward, FSDP's all-gathers and reduce-scatters,
+optimizer), communication (explicit collectives: reward/metric gathers, the reference's EMA gather), ema, checkpoint
+(measured once, at the last step, and charged at 1/--checkpoint_interval per step), other (advantages, logging);
+each the mean over the timed steps and the ranks. MFU =
+model FLOPs (``fastvideo.flops``: 1 forward per sample and sampling step; 3 forwards per sample and trained timestep)
+÷ the phase's time ÷ the summed peak of one large ``torch.mm`` in the dtype used, measured on every rank at once in
+this run. ``--check`` (on with ``--smoke``) also gathers the first update's gradients of both loops, with the
+reference fed ours' trajectory, and reports their difference (the comparison is fair only if they agree).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PHASES = ("rollout", "decode", "reward", "train", "communication", "ema", "checkpoint", "other")
+LOOPS = ("reference", "ours")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------- timing by phase
+class PhaseClock:
+    """Exclusive wall time per phase, synchronised with the device: a phase entered inside another pauses it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+        self.stack: list[list[Any]] = []
+        self.boundaries: list[tuple[float, dict[str, float]]] = []
+
+    def _now(self) -> float:
+        from fastvideo import devices
+
+        devices.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        now = self._now()
+        if self.stack:
+            self.totals[self.stack[-1][0]] += now - self.stack[-1][1]
+        self.stack.append([name, now])
+        try:
+            yield
+        finally:
+            now = self._now()
+            done, since = self.stack.pop()
+            self.totals[done] += now - since
+            if self.stack:
+                self.stack[-1][1] = now
+
+    def current(self) -> str | None:
+        return self.stack[-1][0] if self.stack else None
+
+    def mark_step(self) -> None:
+        """A step boundary: the wall-clock time and the phase totals so far."""
+        self.boundaries.append((self._now(), dict(self.totals)))
+
+    def steps(self) -> list[dict[str, float]]:
+        """Per step between boundaries: ``wall`` and each phase's seconds (``other`` = the unattributed rest)."""
+        out = []
+        for (t0, before), (t1, after) in zip(self.boundaries, self.boundaries[1:]):
+            row = {p: after.get(p, 0.0) - before.get(p, 0.0) for p in PHASES if p != "other"}
+            row["other"] = max(0.0, (t1 - t0) - sum(row.values()))
+            row["wall"] = t1 - t0
+            out.append(row)
+        return out
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``owner.name`` replaced by ``make(original)`` inside the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def timed(clock: PhaseClock, phase: str, unless: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """A wrapper maker: calls run as ``phase`` (left in the current phase when that is one of ``unless``)."""
+    def make(fn: Callable) -> Callable:
+        def wrapper(*a, **k):
+            if clock.current() in unless:
+                return fn(*a, **k)
+            with clock.phase(phase):
+                return fn(*a, **k)
+        return wrapper
+    return make
+
+
+# ------------------------------------------------------------------------------------------------ one measured run
+def _full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's whole gradient on every rank (a collective), float32 CPU."""
+    from torch.distributed.tensor import DTensor
+    from fastvideo.parallel import named_trainable_parameters
+
+    out = {}
+    for name, p in named_trainable_parameters(model):
+        g = p.grad
+        if g is None:
+            continue
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().float().cpu()
+    return out
+
+
+def run_loop(loop: str, train_args: argparse.Namespace, device: torch.device, check: dict | None) -> dict:
+    """Run the GRPO trainer as ``loop`` ("ours" or "reference") with every phase timed; returns this rank's
+    per-step phase seconds, the checkpoint's seconds, peak memory, the run's metrics and (``check``) the first
+    update's gradients and trajectory."""
+    import train_grpo_flux
+    from fastvideo import checkpoint as ckpt
+    from fastvideo import devices, parallel, training
+    from fastvideo import distributed as D
+
+    clock = PhaseClock(device)
+    found: dict[str, Any] = {"checkpoint_s": 0.0}
+    reference = loop == "reference"
+    ema_full: dict[str, torch.Tensor] = {}
+
+    def rollout_wrapper(fn):
+        def wrapper(*a, **k):
+            with clock.phase("rollout"):
+                traj = fn(*a, **k)
+            decode = traj.timings.get("decode", 0.0)  # measured inside, synchronised: moved to its own phase
+            clock.totals["rollout"] -= decode
+            clock.totals["decode"] += decode
+            if check is not None and traj.step == 1:
+                if reference and "traj" in check:  # train on ours' samples: the comparison is of the training
+                    check["rollout_diff"] = _trajectory_diff(traj, check["traj"])
+                    traj = check["traj"]
+                elif not reference:
+                    check["traj"] = traj
+            return traj
+        return wrapper
+
+    def optimizer_wrapper(fn):
+        def wrapper(run, *a, **k):
+            if check is not None and "grads_" + loop not in check:
+                with clock.phase("other"):
+                    check["grads_" + loop] = _full_gradients(run.policy.model)
+            norm = fn(run, *a, **k)
+            if reference:  # the reference's EMA: the whole model gathered to rank 0 after every optimizer step
+                with clock.phase("communication"):
+                    full = parallel.full_state_dict(run.policy.model)
+                with clock.phase("ema"), torch.no_grad():
+                    for name, value in full.items():
+                        if name not in ema_full:
+                            ema_full[name] = value.float().clone()
+                        else:
+                            ema_full[name].lerp_(value.float(), 1 - 0.995)
+            return norm
+        return wrapper
+
+    def save_wrapper(fn):
+        def wrapper(args, step, policy, *a, **k):
+            t0 = clock._now()
+            with clock.phase("checkpoint"):
+                if reference:  # the whole model to rank 0, one torch.save there
+                    full = parallel.full_state_dict(policy.model)
+                    path = Path(args.output_dir) / "checkpoints" / f"step-{step}.pt"
+                    if D.is_main_process():
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        torch.save(full, path)
+                    D.barrier()
+                else:
+                    path = fn(args, step, policy, *a, **k)
+            found["checkpoint_s"] = clock._now() - t0
+            return path
+        return wrapper
+
+    def resume_wrapper(fn):
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            clock.mark_step()
+            return out
+        return wrapper
+
+    def end_step_wrapper(fn):
+        def wrapper(run, step, metrics, *a, **k):
+            found.setdefault("metrics", []).append({k: float(v) for k, v in metrics.items()
+                                                    if isinstance(v, (int, float, torch.Tensor)) and
+                                                    (not torch.is_tensor(v) or v.numel() == 1)})
+            last = fn(run, step, metrics, *a, **k)
+            clock.mark_step()
+            return last
+        return wrapper
+
+    comm = timed(clock, "communication", unless=("checkpoint", "communication"))
+    devices.reset_peak_memory(device)
+    D.barrier()
+    with contextlib.ExitStack() as stack:
+        for owner, name, make in (
+                (train_grpo_flux, "rollout", rollout_wrapper),
+                (training.Run, "score", timed(clock, "reward")),
+                (train_grpo_flux, "update_policy", timed(clock, "train")),
+                (training.Run, "optimizer_step", optimizer_wrapper),
+                (ckpt.EMA, "update", timed(clock, "ema")),
+                (training, "save_state", save_wrapper),
+                (training, "export_final", lambda fn: (lambda *a, **k: None)),  # not part of a step
+                (training, "write_plots", lambda fn: (lambda out: "not written (benchmark)")),
+                (training.Run, "resume", resume_wrapper),
+                (training.Run, "end_step", end_step_wrapper),
+                *[(D, f, comm) for f in ("all_gather_tensor", "all_gather_object", "all_reduce_sum",
+                                         "all_reduce_max", "barrier")]):
+            stack.enter_context(patched(owner, name, make))
+        train_grpo_flux.train(train_args)
+    peak = devices.max_memory_allocated_gb(device)
+    return {"steps": clock.steps(), "checkpoint_s": found["checkpoint_s"], "peak_memory_gb": peak,
+            "metrics": found.get("metrics", [])}
+
+
+def _trajectory_diff(a: Any, b: Any) -> dict[str, float]:
+    """Largest differences between two rollouts of the same samples (batch-size effects of the kernels)."""
+    return {"latents_max_abs": float((a.latents - b.latents).abs().max()),
+            "log_probs_max_abs": float((a.log_probs - b.log_probs).abs().max())}
+
+
+# ----------------------------------------------------------------------------------------------------- the worker
+def trainer_argv(cfg: dict, loop: str, dtype: str, out: Path) -> list[str]:
+    """The train_grpo_flux.py flags of one loop: the same model, data and settings; the loop's batch structure."""
+    steps = cfg["warmup"] + cfg["steps"]
+    per_rank = cfg["num_generations"] * cfg["prompts_per_step"] // cfg["world_size"]
+    if loop == "ours":
+        batch = ["--rollout_batch_size", str(cfg["rollout_batch_size"] or per_rank),
+                 "--train_batch_size", str(cfg["train_batch_size"] or per_rank), "--use_ema",
+                 *(["--compile"] if cfg["compile"] else [])]
+    else:
+        batch = ["--rollout_batch_size", "1", "--train_batch_size", "1", "--reward_batch_size", "1"]
+    return [
+        "--pretrained_model_name_or_path", cfg["model_dir"], "--data_json_path", cfg["manifest"],
+        "--output_dir", str(out), "--device", cfg["device"], "--mixed_precision", dtype,
+        "--reward", cfg["reward"], "--h", str(cfg["h"]), "--w", str(cfg["w"]),
+        "--sampling_steps", str(cfg["sampling_steps"]), "--num_generations", str(cfg["num_generations"]),
+        "--prompts_per_step", str(cfg["prompts_per_step"]), "--timestep_fraction", str(cfg["timestep_fraction"]),
+        "--max_train_steps", str(steps), "--checkpointing_steps", str(steps), "--learning_rate", "1e-5",
+        "--seed", "0", "--sample_every", "0", "--no-progress_bar", "--gradient_sync", "backward", *batch]
+
+
+def worker(cfg_path: str) -> None:
+    """One torchrun: the peak matmul rate per dtype (all ranks at once), then per dtype both loops."""
+    from fastvideo import distributed as D
+    from fastvideo import flops
+    from fastvideo.config import parse_grpo_args
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    D.init_distributed(cfg["device"])
+    dist = D.info()
+    device = dist.device
+    peaks = {}
+    for name in cfg["dtypes"]:
+        D.barrier()
+        peaks[name] = sum(D.all_gather_object(flops.peak_matmul_flops(device, DTYPES[name] or torch.float32)))
+    results: dict[str, dict] = {}
+    for name in cfg["dtypes"]:
+        check = {} if cfg["check"] else None
+        for loop in ("ours", "reference") if check is not None else cfg["loops"]:
+            out = Path(cfg["work_dir"]) / f"run-{loop}-{name}"
+            args = parse_grpo_args(trainer_argv(cfg, loop, name, out))
+            with D.fail_fast():
+                res = run_loop(loop, args, device, check)
+            res["per_rank"] = D.all_gather_object({"steps": res.pop("steps"), "peak_memory_gb": res["peak_memory_gb"],
+                                                   "checkpoint_s": res["checkpoint_s"]})
+            results.setdefault(name, {})[loop] = res
+        if check is not None:
+            results[name]["check"] = _compare_check(check)
+    if dist.is_main:
+        Path(cfg["worker_out"]).write_text(json.dumps({"peak_flops": peaks, "results": results,
+                                                       "device_name": _device_name(device)}, indent=1))
+    D.barrier()  # the results are written before any rank tears the process group down
+    D.cleanup()
+
+
+def _compare_check(check: dict) -> dict[str, float]:
+    """How far the reference's first-update gradients are from ours (same samples, same weights)."""
+    a, b = check["grads_ours"], check["grads_reference"]
+    scale = max(float(g.abs().max()) for g in a.values())
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    return {"grad_max_abs": scale, "grad_max_abs_diff": diff, "grad_rel_diff": diff / scale if scale else 0.0,
+            "params_compared": len(a), **{f"rollout_{k}": v for k, v in check.get("rollout_diff", {}).items()}}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s) per rank"
+
+
+# ------------------------------------------------------------------------------------------------- the summary
+def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int, image_tokens: int) -> dict:
+    """Per dtype and loop: mean phase seconds over the timed steps (max over ranks, checkpoint amortised), samples/s,
+    fractions, MFU; and the headline numbers of the primary dtype."""
+    from fastvideo import flops
+
+    world = cfg["world_size"]
+    samples = cfg["num_generations"] * cfg["prompts_per_step"]
+    trained = max(1, int((cfg["sampling_steps"] - 1) * cfg["timestep_fraction"]))
+    fwd = flops.transformer_flops(model_config, image_tokens, text_tokens, 1)
+    flops_rollout = samples * cfg["sampling_steps"] * fwd
+    flops_train = samples * trained * 3 * fwd
+    out: dict[str, Any] = {"config": {k: v for k, v in cfg.items() if k not in ("work_dir", "worker_out")},
+                           "device": worker_out["device_name"], "world_size": world,
+                           "peak_flops": worker_out["peak_flops"],
+                           "flops_per_step": {"rollout": flops_rollout, "train": flops_train,
+                                              "forward_per_sample": fwd}, "results": {}}
+    for dtype, loops in worker_out["results"].items():
+        peak = worker_out["peak_flops"][dtype]
+        res: dict[str, Any] = {}
+        for loop in LOOPS:
+            if loop not in loops:
+                continue
+            ranks = loops[loop]["per_rank"]
+            timed_steps = [s for r in ranks for s in r["steps"][cfg["warmup"]:]]  # every rank's timed steps
+            mean = {p: sum(s[p] for s in timed_steps) / len(timed_steps) for p in (*PHASES, "wall")}
+            ckpt = sum(r["checkpoint_s"] for r in ranks) / len(ranks)
+            # the save measured in the last timed step, charged at 1/--checkpoint_interval per step instead
+            wall = mean.pop("wall") - mean["checkpoint"] + ckpt / cfg["checkpoint_interval"]
+            phases = {**mean, "checkpoint": ckpt / cfg["checkpoint_interval"]}
+            phases["other"] = max(0.0, wall - sum(v for p, v in phases.items() if p != "other"))
+            res[loop] = {
+                "step_seconds": wall, "samples_per_second": samples / wall,
+                "images_per_device_second": samples / wall / world,
+                "phase_seconds": phases, "phase_fractions": {p: phases[p] / wall for p in PHASES},
+                "checkpoint_seconds": ckpt,
+                "mfu_rollout": flops_rollout / phases["rollout"] / peak if phases["rollout"] else 0.0,
+                "mfu_train": flops_train / phases["train"] / peak if phases["train"] else 0.0,
+                "peak_memory_gb_per_rank": [r["peak_memory_gb"] for r in ranks],
+                "reward_mean_first_step": loops[loop]["metrics"][0].get("reward_mean") if loops[loop]["metrics"]
+                else None,
+            }
+        if "ours" in res and "reference" in res:
+            res["step_speedup_vs_reference"] = res["ours"]["samples_per_second"] / res["reference"]["samples_per_second"]
+        if "check" in loops:
+            res["check"] = loops["check"]
+        out["results"][dtype] = res
+    primary = "bf16" if "bf16" in out["results"] else next(iter(out["results"]))
+    head = out["results"][primary]
+    ours = head.get("ours", head.get("reference"))
+    out.update({"primary_dtype": primary, "step_speedup_vs_reference": head.get("step_speedup_vs_reference"),
+                "images_per_device_second": ours["images_per_device_second"], "mfu_rollout": ours["mfu_rollout"],
+                "mfu_train": ours["mfu_train"], "peak_memory_gb_per_rank": ours["peak_memory_gb_per_rank"],
+                "phase_fractions": {loop: head[loop]["phase_fractions"] for loop in LOOPS if loop in head}})
+    return out
+
+
+def table(summary: dict) -> str:
+    """The summary as a plain-text table (one block per dtype)."""
+    lines = [f"device: {summary['device']}, {summary['world_size']} rank(s); peak matmul "
+             + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in summary["peak_flops"].items())]
+    for dtype, res in summary["results"].items():
+        loops = [loop for loop in LOOPS if loop in res]
+        lines.append(f"\n{dtype}:" + (f"  step_speedup_vs_reference = {res['step_speedup_vs_reference']:.2f}x"
+                                      if "step_speedup_vs_reference" in res else ""))
+        lines.append(f"  {'':24}" + "".join(f"{loop:>14}" for loop in loops))
+        rows = [("step seconds", lambda r: f"{r['step_seconds']:.3f}"),
+                ("samples / s", lambda r: f"{r['samples_per_second']:.3f}"),
+                ("images / device-second", lambda r: f"{r['images_per_device_second']:.3f}"),
+                *[(f"  {p} fraction", (lambda p: lambda r: f"{r['phase_fractions'][p]:.3f}")(p)) for p in PHASES],
+                ("mfu_rollout", lambda r: f"{r['mfu_rollout']:.3f}"), ("mfu_train", lambda r: f"{r['mfu_train']:.3f}"),
+                ("peak memory GB / rank", lambda r: f"{max(r['peak_memory_gb_per_rank']):.2f}")]
+        for label, fmt in rows:
+            lines.append(f"  {label:24}" + "".join(f"{fmt(res[loop]):>14}" for loop in loops))
+        if "check" in res:
+            c = res["check"]
+            lines.append(f"  check: first-update gradients ours vs reference, max |diff| = {c['grad_max_abs_diff']:.3g}"
+                         f" ({c['grad_rel_diff']:.2g} of max |grad|)")
+    if summary.get("profile_rollout_forward"):
+        lines.append(f"\none rollout forward ({summary['primary_dtype']}, one process), top operators by self time:")
+        lines += [f"  {row['op']:<52}{row['self_ms']:9.1f} ms {row['share']:7.1%}"
+                  for row in summary["profile_rollout_forward"]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the orchestrator
+def prepare(cfg: dict, tmp: Path) -> tuple[dict, int, int]:
+    """The model folder and the embeddings of the benchmark prompts; returns (transformer config, T, L)."""
+    from fastvideo import flux
+    from fastvideo.data import open_prompt_store, write_prompt_store
+    from fastvideo.tiny import build_tiny_flux
+
+    model_dir = build_tiny_flux(tmp / "model", preset=cfg["preset"], seed=0)
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("".join(f"a benchmark prompt, number {i}\n" for i in range(max(8, cfg["prompts_per_step"]))))
+    writer = open_prompt_store(prompts, model_dir, tmp / "embeddings", max_sequence_length=cfg["max_sequence_length"])
+    write_prompt_store(writer, device=torch.device("cpu"))
+    cfg.update(model_dir=str(model_dir), manifest=str(tmp / "embeddings" / "manifest.json"))
+    config = dict(flux.build_transformer(model_dir).config)
+    geometry = flux.latent_geometry(model_dir, cfg["h"], cfg["w"])
+    return config, cfg["max_sequence_length"], geometry.seq_len
+
+
+def profile_forward(cfg: dict, dtype: str, top: int = 8) -> list[dict]:
+    """Where one rollout forward's time goes (this process, the model at ours' rollout batch, no grad, ``dtype``):
+    the ``top`` operators by self time with their share, from ``torch.profiler`` (what explains the MFU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastvideo import devices, flux
+
+    device = torch.device(cfg["device"])
+    model = flux.load_transformer(cfg["model_dir"], device=device).eval().requires_grad_(False)
+    geometry = flux.latent_geometry(cfg["model_dir"], cfg["h"], cfg["w"])
+    b = cfg["rollout_batch_size"] or cfg["num_generations"] * cfg["prompts_per_step"] // cfg["world_size"]
+    T = cfg["max_sequence_length"]
+    x = torch.randn(b, geometry.seq_len, geometry.packed_channels, device=device)
+    embeds = torch.randn(b, T, model.config.joint_attention_dim, device=device)
+    pooled = torch.randn(b, model.config.pooled_projection_dim, device=device)
+
+    def forward() -> None:
+        with torch.no_grad(), devices.autocast(device, DTYPES[dtype]):
+            flux.predict_velocity(model, x, 0.5, embeds, pooled, flux.image_ids(geometry, device),
+                                  flux.text_ids(T, device), guidance=3.5)
+
+    forward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total}
+            for e in events[:top]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 sampling steps, 1 timed step, --check (CI)")
+    p.add_argument("--preset", default="bench", choices=("tiny", "bench"), help="tiny model preset (CPU)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | npu")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32 (full precision), bf16 (autocast)")
+    p.add_argument("--loops", default="reference,ours", help="which loops to run")
+    p.add_argument("--steps", type=int, default=3, help="timed GRPO steps per loop")
+    p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
+    p.add_argument("--h", type=int, default=None, help="image height (default: the preset's)")
+    p.add_argument("--w", type=int, default=None, help="image width (default: the preset's)")
+    p.add_argument("--sampling_steps", type=int, default=8)
+    p.add_argument("--num_generations", type=int, default=8,
+                   help="images per prompt (8 per rank with 2 ranks: the trainer's default rollout micro-batch)")
+    p.add_argument("--prompts_per_step", type=int, default=2, help="prompts per step over all ranks")
+    p.add_argument("--timestep_fraction", type=float, default=0.5, help="trained fraction of the S-1 SDE steps")
+    p.add_argument("--max_sequence_length", type=int, default=64, help="T5 tokens per prompt")
+    p.add_argument("--rollout_batch_size", type=int, default=0, help="ours: samples per rollout call (0 = all)")
+    p.add_argument("--train_batch_size", type=int, default=0, help="ours: samples per replay micro-batch (0 = all)")
+    p.add_argument("--reward", default="jpeg_compressibility", help="reward spec (no model files needed)")
+    p.add_argument("--checkpoint_interval", type=int, default=20, help="steps per checkpoint (amortises its cost)")
+    p.add_argument("--compile", action="store_true", help="ours: torch.compile the transformer blocks (--compile)")
+    p.add_argument("--profile", action="store_true", help="also profile one rollout forward (top operators)")
+    p.add_argument("--check", action="store_true", help="compare the first update's gradients of both loops")
+    p.add_argument("--out", default="outputs/bench_step.json", help="where the JSON goes")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.sampling_steps, args.steps, args.check = "tiny", 3, 1, True
+        args.max_sequence_length = min(args.max_sequence_length, 16)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return {}
+    from fastvideo.tiny import PRESETS
+
+    preset = PRESETS[args.preset]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in DTYPES] + [loop for loop in args.loops.split(",") if loop not in LOOPS]
+    if bad:
+        raise ValueError(f"unknown --dtypes/--loops entries {bad}; use {sorted(DTYPES)} and {list(LOOPS)}")
+    if (args.num_generations * args.prompts_per_step) % args.nproc:
+        raise ValueError("--num_generations x --prompts_per_step must divide by --nproc")
+    cfg = {"preset": args.preset, "device": args.device, "world_size": args.nproc, "dtypes": dtypes,
+           "loops": args.loops.split(","), "steps": args.steps, "warmup": args.warmup,
+           "h": args.h or preset.height, "w": args.w or preset.width, "sampling_steps": args.sampling_steps,
+           "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
+           "timestep_fraction": args.timestep_fraction, "max_sequence_length": args.max_sequence_length,
+           "rollout_batch_size": args.rollout_batch_size, "train_batch_size": args.train_batch_size,
+           "reward": args.reward, "checkpoint_interval": args.checkpoint_interval, "check": args.check,
+           "compile": args.compile}
+    with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp_name:
+        tmp = Path(tmp_name)
+        model_config, T, L = prepare(cfg, tmp)
+        cfg.update(work_dir=str(tmp), worker_out=str(tmp / "worker.json"))
+        (tmp / "cfg.json").write_text(json.dumps(cfg))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2)
+                                                                                            // args.nproc)))}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               str(Path(__file__).resolve()), "--worker", str(tmp / "cfg.json")]
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
+        if not (tmp / "worker.json").is_file():
+            raise RuntimeError(f"the benchmark's torchrun failed (exit status {proc.returncode}); see its output above")
+        if proc.returncode:  # a crash while tearing down after every result was written
+            print(f"warning: torchrun exited with {proc.returncode} after writing the results", flush=True)
+        summary = summarize(cfg, json.loads((tmp / "worker.json").read_text()), model_config, T, L)
+        if args.profile:
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+            summary["profile_rollout_forward"] = profile_forward(cfg, summary["primary_dtype"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(table(summary))
+    print(f"\nwritten: {out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Performance issue: the FLOP formula against torch's counter, the peak measurement, micro-batched reward, the CPU
+peak-memory reset, --compile, and the full-step benchmark's smoke run (every key finite, the loops' gradients equal)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastvideo import devices, flops, flux, parallel
+from fastvideo.rewards import build_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("batch,text_tokens", [(1, 7), (3, 32)])
+def test_transformer_flops_formula_matches_the_counter(tiny_flux_dir, batch, text_tokens):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = flux.load_transformer(tiny_flux_dir)
+    geometry = flux.latent_geometry(tiny_flux_dir, 64, 64)
+    L = geometry.seq_len
+    x = torch.randn(batch, L, geometry.packed_channels)
+    embeds = torch.randn(batch, text_tokens, model.config.joint_attention_dim)
+    pooled = torch.randn(batch, model.config.pooled_projection_dim)
+
+    def forward():
+        return flux.predict_velocity(model, x, 0.5, embeds, pooled, flux.image_ids(geometry),
+                                     flux.text_ids(text_tokens), guidance=3.5)
+
+    expected = flops.transformer_flops(model.config, L, text_tokens, batch)
+    with torch.no_grad():
+        assert flops.counted_flops(forward) == expected  # CPU flash attention counted: exact
+    with sdpa_kernel([SDPBackend.MATH]):  # attention as plain matmuls: torch counts every one itself
+        with torch.no_grad():
+            assert flops.counted_flops(forward) == expected
+        trained = flops.counted_flops(lambda: forward().sum().backward())
+    # model FLOPs are 3 forwards; the counter skips the input gradient of the first (embedding) layers
+    assert trained == pytest.approx(flops.transformer_flops(model.config, L, text_tokens, batch, backward=True),
+                                    rel=0.02)
+    assert flops.transformer_flops(model.config, L, text_tokens, 2 * batch) == 2 * expected
+
+
+def test_flux_dev_forward_flops_at_1024():
+    """FLUX.1-dev's widths: of its ~12B parameters a token meets 12·D² per block (a double block's image and text
+    streams each hold 12·D², but a token goes through one; the adaLN modulations run once per sample), so ~2 x 6.45e9
+    FLOPs per token of a 4608-token 1024² sample, plus attention (4·N²·D per block)."""
+    config = {"num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 19, "num_single_layers": 38,
+              "in_channels": 64, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True}
+    N, D = 4096 + 512, 3072
+    total = flops.transformer_flops(config, 4096, 512)
+    attention = 57 * 4 * N * N * D
+    per_token = 57 * 12 * D * D  # 6.45e9
+    assert 2 * per_token * N < total - attention < 1.01 * 2 * per_token * N
+
+
+def test_peak_matmul_flops_is_finite_and_plausible():
+    rate = flops.peak_matmul_flops("cpu", torch.float32, size=256, seconds=0.05)
+    assert math.isfinite(rate) and 1e8 < rate < 1e14
+
+
+def test_reward_micro_batches_give_the_same_scores(hps_flags):
+    images = torch.rand(5, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    prompts = [f"prompt {i}" for i in range(5)]
+    paths = {"hps_checkpoint": hps_flags[3], "hps_model": hps_flags[5]}
+    spec = "hpsv2:1.0,jpeg_compressibility:0.5"
+    whole = build_reward(spec, "cpu", **paths)(images, prompts)
+    for size in (1, 2):
+        chunked = build_reward(spec, "cpu", batch_size=size, **paths)(images, prompts)
+        assert chunked.keys() == whole.keys()
+        for key in whole:
+            torch.testing.assert_close(chunked[key], whole[key], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="--reward_batch_size"):
+        build_reward("jpeg_compressibility", "cpu", batch_size=-1)
+
+
+def test_cpu_peak_memory_resets():
+    cpu = torch.device("cpu")
+    block = torch.ones(300 * 2**20 // 4)  # 300 MiB touched
+    del block
+    high = devices.max_memory_allocated_gb(cpu)
+    devices.reset_peak_memory(cpu)
+    low = devices.max_memory_allocated_gb(cpu)
+    if Path("/proc/self/clear_refs").exists():
+        assert low < high - 0.2  # VmHWM went back to about the current RSS
+    assert low >= devices.memory_allocated_gb(cpu) * 0.9
+
+
+def test_compile_flag_compiles_every_block(tiny_flux_dir):
+    model = flux.load_transformer(tiny_flux_dir)
+    out = parallel.shard_model(model, compile=True)  # world size 1: no FSDP, the blocks compiled in place
+    blocks = parallel.transformer_blocks(out)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert all(b._compiled_call_impl is None for b in parallel.transformer_blocks(
+        parallel.shard_model(flux.load_transformer(tiny_flux_dir))))
+
+
+def test_bench_step_smoke(tmp_path):
+    """benchmarks/bench_step.py --smoke: both loops, fp32 and bf16 autocast, 2 ranks; every reported number is finite,
+    the phase fractions add up, and the reference loop's first-update gradients equal ours on the same samples."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--smoke", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert "step_speedup_vs_reference" in proc.stdout
+    for key in ("step_speedup_vs_reference", "images_per_device_second", "mfu_rollout", "mfu_train"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    assert summary["mfu_rollout"] < 1 and summary["mfu_train"] < 1
+    assert len(summary["peak_memory_gb_per_rank"]) == 2 and all(m > 0.1 for m in summary["peak_memory_gb_per_rank"])
+    assert set(summary["peak_flops"]) == {"fp32", "bf16"}
+    assert summary["flops_per_step"]["train"] > 0 and summary["flops_per_step"]["rollout"] > 0
+    for dtype in ("fp32", "bf16"):
+        res = summary["results"][dtype]
+        assert math.isfinite(res["step_speedup_vs_reference"])
+        for loop in ("ours", "reference"):
+            fractions = res[loop]["phase_fractions"]
+            assert set(fractions) == {"rollout", "decode", "reward", "train", "communication", "ema", "checkpoint",
+                                      "other"}
+            assert all(f >= 0 for f in fractions.values()) and sum(fractions.values()) == pytest.approx(1, abs=1e-6)
+            assert fractions["rollout"] > 0 and fractions["train"] > 0 and fractions["decode"] > 0
+            assert all(math.isfinite(v) for v in res[loop]["phase_seconds"].values())
+        assert res["reference"]["phase_fractions"]["ema"] > 0  # its rank-0 EMA of the gathered model
+        check = res["check"]
+        assert check["params_compared"] > 10 and check["grad_max_abs"] > 0
+        if dtype == "fp32":  # the same samples, the same weights: batch-1 training gives our gradients
+            assert check["grad_rel_diff"] < 1e-5, check
+            assert res["ours"]["reward_mean_first_step"] == res["reference"]["reward_mean_first_step"]
