@@ -260,6 +260,8 @@ def test_toyworld_reward_in_registry():
 
     mixed = build_reward("toyworld:2.0,jpeg_compressibility:0.5", "cpu")(images, prompts)
     torch.testing.assert_close(mixed["total"], 2.0 * mixed["toyworld"] + 0.5 * mixed["jpeg_compressibility"])
+    chunked = build_reward("toyworld:2.0,jpeg_compressibility:0.5", "cpu", batch_size=2)(images, prompts)
+    assert list(chunked) == list(mixed) and all(torch.equal(chunked[k], mixed[k]) for k in mixed)  # dict scorer too
     assert "toyworld_strict" in mixed and "jpeg_compressibility" in mixed
 
 
