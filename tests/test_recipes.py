@@ -95,6 +95,7 @@ for job in jobs:
     try:
         spec = importlib.util.spec_from_file_location(Path(script).stem + "_dry_run", script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # registered first, as importlib's recipe does (dataclasses look it up)
         spec.loader.exec_module(module)
         with contextlib.redirect_stdout(buf):  # no --data_json_path: a plan needs no embeddings (512 text tokens)
             module.main(["--config", recipe, "--pretrained_model_name_or_path", model, "--device", "cuda",

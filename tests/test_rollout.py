@@ -93,7 +93,7 @@ def test_batched_equals_per_sample_and_batch_size_invariant(parts):
             torch.testing.assert_close(getattr(other, name), getattr(ref, name), rtol=0, atol=1e-5)
     chunked = _run(parts, _cfg(batch_size=8, decode_batch_size=3), prompt_ids, sample_indices)  # decode 3 + 3 + 2
     assert torch.equal(chunked.latents, ref.latents)
-    torch.testing.assert_close(chunked.images, ref.images, rtol=0, atol=1e-6)
+    torch.testing.assert_close(chunked.images, ref.images, rtol=0, atol=1e-5)
     for b in (0, 5, 7):  # one sample on its own: noise is keyed per sample, not per batch position
         single = _run(parts, _cfg(), [prompt_ids[b]], [sample_indices[b]])
         torch.testing.assert_close(single.latents[0], ref.latents[b], rtol=0, atol=1e-5)
