@@ -3,7 +3,7 @@
 ``transformer_flops`` is a closed formula over a ``FluxTransformer2DModel`` config (matmuls and attention, as
 ``torch.utils.flop_counter`` counts them: 2 FLOPs per multiply-add); ``counted_flops`` runs a function under
 ``FlopCounterMode`` with this CPU's flash-attention kernels added (torch does not count them), so the formula is
-checked against the counter (tests/test_flops.py). Model FLOPs exclude the recomputation gradient checkpointing adds.
+checked against the counter (tests/test_performance.py). Model FLOPs exclude the recomputation gradient checkpointing adds.
 """
 from __future__ import annotations
 
