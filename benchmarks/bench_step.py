@@ -362,7 +362,8 @@ def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int,
                 else None,
             }
         if "ours" in res and "reference" in res:
-            res["step_speedup_vs_reference"] = res["ours"]["samples_per_second"] / res["reference"]["samples_per_second"]
+            ours_rate, reference_rate = res["ours"]["samples_per_second"], res["reference"]["samples_per_second"]
+            res["step_speedup_vs_reference"] = ours_rate / reference_rate
         if "check" in loops:
             res["check"] = loops["check"]
         out["results"][dtype] = res

@@ -3,7 +3,8 @@
 ``transformer_flops`` is a closed formula over a ``FluxTransformer2DModel`` config (matmuls and attention, as
 ``torch.utils.flop_counter`` counts them: 2 FLOPs per multiply-add); ``counted_flops`` runs a function under
 ``FlopCounterMode`` with this CPU's flash-attention kernels added (torch does not count them), so the formula is
-checked against the counter (tests/test_performance.py). Model FLOPs exclude the recomputation gradient checkpointing adds.
+checked against the counter (tests/test_performance.py). Model FLOPs exclude the recomputation gradient
+checkpointing adds.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: i
     """FLOPs of one FLUX transformer forward (``backward``: forward + backward = 3x, input and weight gradients) on
     ``batch`` samples of ``image_tokens`` packed image tokens and ``text_tokens`` T5 tokens.
 
-    Per sample, with width D, N = L + T tokens: each double block 24·N·D² (img and txt q/k/v/out and 4x MLPs) +
-    4·N²·D (QKᵀ and AV) + 24·D² (two adaLN D->6D), each single block 24·N·D² + 4·N²·D + 6·D², plus the embedders
-    (x, context, timestep/guidance/pooled MLPs) and the output adaLN and projection.
+    Per sample, with width D, N = L + T tokens: each double block 24·N·D² (img and txt q/k/v/out and 4x MLPs)
+    + 4·N²·D (QKᵀ and AV) + 24·D² (two adaLN D->6D), each single block 24·N·D² + 4·N²·D + 6·D², plus the
+    embedders (x, context, timestep/guidance/pooled MLPs) and the output adaLN and projection.
     """
     D = _cfg(config, "num_attention_heads") * _cfg(config, "attention_head_dim")
     L, T = int(image_tokens), int(text_tokens)

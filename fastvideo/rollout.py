@@ -71,7 +71,8 @@ class RolloutConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
         if self.decode_batch_size < 0:
-            raise ValueError(f"decode_batch_size must be >= 0 (0 = the rollout micro-batch), got {self.decode_batch_size}")
+            raise ValueError(f"decode_batch_size must be >= 0 (0 = the rollout micro-batch), "
+                             f"got {self.decode_batch_size}")
         if self.last_step not in LAST_STEP_MODES:
             raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
         if self.solver not in ODE_SOLVERS:
