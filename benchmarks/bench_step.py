@@ -2,7 +2,7 @@
 
     python benchmarks/bench_step.py                     # bench preset, 2 ranks on this CPU, fp32 and bf16 autocast
     python benchmarks/bench_step.py --smoke             # tiny preset, a minute: what CI runs
-    python benchmarks/bench_step.py --model flux-dev-shape --num_layers 2 --device cuda --nproc 1 --h 720 --w 720
+    python benchmarks/bench_step.py --model flux-dev-shape --num_layers 2 --device cuda --nproc 8   # real widths
 
 One torchrun of this file (``--worker``) runs, per dtype, both loops on the same model, data and settings, one after
 the other, each from the same initial weights and seed:
@@ -21,8 +21,14 @@ optimizer), communication (explicit collectives: reward/metric gathers, the refe
 each the mean over the timed steps and the ranks. MFU =
 model FLOPs (``fastvideo.flops``: 1 forward per sample and sampling step; 3 forwards per sample and trained timestep)
 ÷ the phase's time ÷ the summed peak of one large ``torch.mm`` in the dtype used, measured on every rank at once in
-this run. ``--check`` (on with ``--smoke``) also gathers the first update's gradients of both loops, with the
-reference fed ours' trajectory, and reports their difference (the comparison is fair only if they agree).
+this run.
+
+``--model flux-dev-shape --num_layers K`` instead builds a transformer with FLUX.1-dev's real widths (3072 hidden,
+24 heads, 4096 text dim) and K double + 2K single blocks from the flux-dev-config folder
+(``fastvideo.tiny.write_flux_dev_config``), FLUX.1-dev's VAE config and random text embeddings of its widths; all
+weights are seeded random values made in memory (no weight files; see ``random_weights``), so accelerator runs see
+the real kernel sizes. ``--check`` (on with ``--smoke``) also gathers the first update's gradients of both loops,
+with the reference fed ours' trajectory, and reports their difference (the comparison is fair only if they agree).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 PHASES = ("rollout", "decode", "reward", "train", "communication", "ema", "checkpoint", "other")
 LOOPS = ("reference", "ours")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+FLUX_DEV_SHAPE = "flux-dev-shape"
 
 
 # ----------------------------------------------------------------------------------------------- timing by phase
@@ -118,6 +125,88 @@ def timed(clock: PhaseClock, phase: str, unless: tuple[str, ...] = ()) -> Callab
                 return fn(*a, **k)
         return wrapper
     return make
+
+
+# ------------------------------------------------------------------------------- flux-dev-shape: weights in memory
+def random_tensor_makers(model: torch.nn.Module, seed: int, skip: Callable[[str], bool] = lambda name: False
+                         ) -> dict[str, Callable[[], torch.Tensor]]:
+    """``name -> fn() -> full tensor`` for every parameter and buffer of ``model`` (plain or sharded) not ``skip``-ped:
+    seeded per name, so every rank makes the same values whatever it holds: 1-D norm scales 1, other 1-D tensors
+    (biases) 0, matrices N(0, 0.02²) (finite activations at any depth tried; the values do not change the timing)."""
+    import zlib
+
+    from fastvideo.weights import local_pieces
+
+    def maker(name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            if len(shape) == 1:
+                return torch.ones(shape) if "norm" in name and name.endswith(".weight") else torch.zeros(shape)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            return torch.randn(shape, generator=g).mul_(0.02)
+        return make
+
+    return {p.name: maker(p.name, p.shape) for p in local_pieces(model) if not skip(p.name)}
+
+
+@contextlib.contextmanager
+def random_weights(seed: int = 0) -> Iterator[None]:
+    """The flux-dev-shape model has configs but no weight files: inside the block the package's loaders give seeded
+    random values instead: the transformer's shards (``weights.load_safetensors_into``), the VAE (built from its
+    config) and the text encoders' outputs (random T5/CLIP embeddings of the config's widths, seeded per prompt)."""
+    import zlib
+
+    from fastvideo import flux, weights
+
+    def load_shards(fn):
+        def wrapper(model, folder, skip=lambda name: False):
+            weights.fill_local_shards(model, random_tensor_makers(model, seed, skip))
+            return 0
+        return wrapper
+
+    def load_vae(fn):
+        def wrapper(path, dtype=torch.float32, device="cpu"):
+            from diffusers import AutoencoderKL
+
+            config = AutoencoderKL.load_config(flux.check_model_folder(path, ("vae",)) / "vae", local_files_only=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                vae = AutoencoderKL.from_config(config).to(dtype)
+            return vae.to(device).eval().requires_grad_(False)
+        return wrapper
+
+    def load_text_encoders(fn):
+        def wrapper(path, dtype=torch.float32, device="cpu"):
+            config = flux.build_transformer(path).config
+            return {"dims": (config.joint_attention_dim, config.pooled_projection_dim), "dtype": dtype}
+        return wrapper
+
+    def encode_prompts(fn):
+        def wrapper(encoders, prompts, max_sequence_length=512):
+            (dim, pooled_dim), dtype = encoders["dims"], encoders["dtype"]
+            gens = [torch.Generator().manual_seed(seed + zlib.crc32(p.encode())) for p in prompts]
+            embeds = torch.stack([torch.randn(max_sequence_length, dim, generator=g) for g in gens]).to(dtype)
+            pooled = torch.stack([torch.randn(pooled_dim, generator=g) for g in gens]).to(dtype)
+            return embeds, pooled, [False] * len(prompts)
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for owner, name, make in ((weights, "load_safetensors_into", load_shards), (flux, "load_vae", load_vae),
+                                  (flux, "load_text_encoders", load_text_encoders),
+                                  (flux, "encode_prompts", encode_prompts)):
+            stack.enter_context(patched(owner, name, make))
+        yield
+
+
+def write_flux_dev_shape(out: Path, num_layers: int) -> Path:
+    """The flux-dev-config folder (FLUX.1-dev's configs, no weights) with K double and 2K single blocks."""
+    from fastvideo.tiny import write_flux_dev_config
+
+    folder = write_flux_dev_config(out)
+    config_file = folder / "transformer" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(num_layers=num_layers, num_single_layers=2 * num_layers)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return folder
 
 
 # ------------------------------------------------------------------------------------------------ one measured run
@@ -265,7 +354,8 @@ def trainer_argv(cfg: dict, loop: str, dtype: str, out: Path) -> list[str]:
         "--sampling_steps", str(cfg["sampling_steps"]), "--num_generations", str(cfg["num_generations"]),
         "--prompts_per_step", str(cfg["prompts_per_step"]), "--timestep_fraction", str(cfg["timestep_fraction"]),
         "--max_train_steps", str(steps), "--checkpointing_steps", str(steps), "--learning_rate", "1e-5",
-        "--seed", "0", "--sample_every", "0", "--no-progress_bar", "--gradient_sync", "backward", *batch]
+        "--seed", "0", "--sample_every", "0", "--no-progress_bar", "--gradient_sync", "backward",
+        "--lora_rank", str(cfg["lora_rank"]), *batch]
 
 
 def worker(cfg_path: str) -> None:
@@ -288,7 +378,8 @@ def worker(cfg_path: str) -> None:
         for loop in ("ours", "reference") if check is not None else cfg["loops"]:
             out = Path(cfg["work_dir"]) / f"run-{loop}-{name}"
             args = parse_grpo_args(trainer_argv(cfg, loop, name, out))
-            with D.fail_fast():
+            stubs = random_weights(0) if cfg["model"] == FLUX_DEV_SHAPE else contextlib.nullcontext()
+            with D.fail_fast(), stubs:
                 res = run_loop(loop, args, device, check)
             res["per_rank"] = D.all_gather_object({"steps": res.pop("steps"), "peak_memory_gb": res["peak_memory_gb"],
                                                    "checkpoint_s": res["checkpoint_s"]})
@@ -379,7 +470,12 @@ def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int,
 
 def table(summary: dict) -> str:
     """The summary as a plain-text table (one block per dtype)."""
-    lines = [f"device: {summary['device']}, {summary['world_size']} rank(s); peak matmul "
+    cfg = summary["config"]
+    model = (f"{FLUX_DEV_SHAPE} K={cfg['num_layers']}" if cfg.get("model") == FLUX_DEV_SHAPE
+             else f"{cfg['preset']} preset")
+    lines = [f"model: {model}, {cfg['h']}x{cfg['w']}, {cfg['sampling_steps']} sampling steps"
+             + (f", LoRA rank {cfg['lora_rank']}" if cfg.get("lora_rank") else ", full fine-tune"),
+             f"device: {summary['device']}, {summary['world_size']} rank(s); peak matmul "
              + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in summary["peak_flops"].items())]
     for dtype, res in summary["results"].items():
         loops = [loop for loop in LOOPS if loop in res]
@@ -412,11 +508,16 @@ def prepare(cfg: dict, tmp: Path) -> tuple[dict, int, int]:
     from fastvideo.data import open_prompt_store, write_prompt_store
     from fastvideo.tiny import build_tiny_flux
 
-    model_dir = build_tiny_flux(tmp / "model", preset=cfg["preset"], seed=0)
+    shape = cfg["model"] == FLUX_DEV_SHAPE
+    if shape:
+        model_dir = write_flux_dev_shape(tmp / "model", cfg["num_layers"])
+    else:
+        model_dir = build_tiny_flux(tmp / "model", preset=cfg["preset"], seed=0)
     prompts = tmp / "prompts.txt"
     prompts.write_text("".join(f"a benchmark prompt, number {i}\n" for i in range(max(8, cfg["prompts_per_step"]))))
     writer = open_prompt_store(prompts, model_dir, tmp / "embeddings", max_sequence_length=cfg["max_sequence_length"])
-    write_prompt_store(writer, device=torch.device("cpu"))
+    with random_weights(0) if shape else contextlib.nullcontext():  # no text encoders: random embeddings
+        write_prompt_store(writer, device=torch.device("cpu"))
     cfg.update(model_dir=str(model_dir), manifest=str(tmp / "embeddings" / "manifest.json"))
     config = dict(flux.build_transformer(model_dir).config)
     geometry = flux.latent_geometry(model_dir, cfg["h"], cfg["w"])
@@ -431,7 +532,15 @@ def profile_forward(cfg: dict, dtype: str, top: int = 8) -> list[dict]:
     from fastvideo import devices, flux
 
     device = torch.device(cfg["device"])
-    model = flux.load_transformer(cfg["model_dir"], device=device).eval().requires_grad_(False)
+    if cfg["model"] == FLUX_DEV_SHAPE:  # weights in memory, as in the worker
+        from fastvideo.weights import fill_local_shards
+
+        model = flux.build_transformer(cfg["model_dir"]).to_empty(device=device)
+        fill_local_shards(model, random_tensor_makers(model, 0))
+        flux.prepare_for_device(model, device)
+    else:
+        model = flux.load_transformer(cfg["model_dir"], device=device)
+    model = model.eval().requires_grad_(False)
     geometry = flux.latent_geometry(cfg["model_dir"], cfg["h"], cfg["w"])
     b = cfg["rollout_batch_size"] or cfg["num_generations"] * cfg["prompts_per_step"] // cfg["world_size"]
     T = cfg["max_sequence_length"]
@@ -458,14 +567,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--smoke", action="store_true", help="tiny preset, 2 sampling steps, 1 timed step, --check (CI)")
     p.add_argument("--preset", default="bench", choices=("tiny", "bench"), help="tiny model preset (CPU)")
+    p.add_argument("--model", default="preset", choices=("preset", FLUX_DEV_SHAPE),
+                   help=f"preset: the --preset tiny model; {FLUX_DEV_SHAPE}: FLUX.1-dev's widths with --num_layers "
+                        "double and 2x that many single blocks, random weights made in memory (accelerators)")
+    p.add_argument("--num_layers", type=int, default=2,
+                   help=f"{FLUX_DEV_SHAPE}: K double + 2K single blocks (FLUX.1-dev has 19 + 38; ~0.69B params per K)")
+    p.add_argument("--lora_rank", type=int, default=0, help="train LoRA adapters of this rank (0 = full fine-tune)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | npu")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32 (full precision), bf16 (autocast)")
     p.add_argument("--loops", default="reference,ours", help="which loops to run")
     p.add_argument("--steps", type=int, default=3, help="timed GRPO steps per loop")
     p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first")
-    p.add_argument("--h", type=int, default=None, help="image height (default: the preset's)")
-    p.add_argument("--w", type=int, default=None, help="image width (default: the preset's)")
+    p.add_argument("--h", type=int, default=None, help="image height (default: the preset's; 720 for flux-dev-shape)")
+    p.add_argument("--w", type=int, default=None, help="image width (default: the preset's; 720 for flux-dev-shape)")
     p.add_argument("--sampling_steps", type=int, default=8)
     p.add_argument("--num_generations", type=int, default=8,
                    help="images per prompt (8 per rank with 2 ranks: the trainer's default rollout micro-batch)")
@@ -482,7 +597,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/bench_step.json", help="where the JSON goes")
     args = p.parse_args(argv)
     if args.smoke:
-        args.preset, args.sampling_steps, args.steps, args.check = "tiny", 3, 1, True
+        args.model, args.preset, args.sampling_steps, args.steps, args.check = "preset", "tiny", 3, 1, True
         args.max_sequence_length = min(args.max_sequence_length, 16)
     return args
 
@@ -495,15 +610,19 @@ def main(argv: list[str] | None = None) -> dict:
     from fastvideo.tiny import PRESETS
 
     preset = PRESETS[args.preset]
+    if args.model == FLUX_DEV_SHAPE and args.num_layers < 1:
+        raise ValueError(f"--num_layers must be >= 1 (K double + 2K single blocks), got {args.num_layers}")
+    default_h, default_w = (720, 720) if args.model == FLUX_DEV_SHAPE else (preset.height, preset.width)
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in DTYPES] + [loop for loop in args.loops.split(",") if loop not in LOOPS]
     if bad:
         raise ValueError(f"unknown --dtypes/--loops entries {bad}; use {sorted(DTYPES)} and {list(LOOPS)}")
     if (args.num_generations * args.prompts_per_step) % args.nproc:
         raise ValueError("--num_generations x --prompts_per_step must divide by --nproc")
-    cfg = {"preset": args.preset, "device": args.device, "world_size": args.nproc, "dtypes": dtypes,
+    cfg = {"model": args.model, "num_layers": args.num_layers, "lora_rank": args.lora_rank,
+           "preset": args.preset, "device": args.device, "world_size": args.nproc, "dtypes": dtypes,
            "loops": args.loops.split(","), "steps": args.steps, "warmup": args.warmup,
-           "h": args.h or preset.height, "w": args.w or preset.width, "sampling_steps": args.sampling_steps,
+           "h": args.h or default_h, "w": args.w or default_w, "sampling_steps": args.sampling_steps,
            "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
            "timestep_fraction": args.timestep_fraction, "max_sequence_length": args.max_sequence_length,
            "rollout_batch_size": args.rollout_batch_size, "train_batch_size": args.train_batch_size,

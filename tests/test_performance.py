@@ -131,3 +131,81 @@ def test_bench_step_smoke(tmp_path):
         if dtype == "fp32":  # the same samples, the same weights: batch-1 training gives our gradients
             assert check["grad_rel_diff"] < 1e-5, check
             assert res["ours"]["reward_mean_first_step"] == res["reference"]["reward_mean_first_step"]
+
+
+def _bench_step_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_flux_dev_shape_model_has_real_widths_and_random_weights(tmp_path):
+    """--model flux-dev-shape --num_layers 1: FLUX.1-dev's widths with 1 double + 2 single blocks; the weights made in
+    memory are seeded per name (the same on every rank and call), finite through a forward, and the stubbed text
+    encoders give embeddings of the real widths, seeded per prompt."""
+    from fastvideo.weights import fill_local_shards
+
+    bench = _bench_step_module()
+    folder = bench.write_flux_dev_shape(tmp_path / "model", num_layers=1)
+    model = flux.build_transformer(folder)
+    c = model.config
+    assert (c.num_layers, c.num_single_layers, c.num_attention_heads * c.attention_head_dim) == (1, 2, 3072)
+    assert (c.num_attention_heads, c.joint_attention_dim, c.pooled_projection_dim) == (24, 4096, 768)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.6e9 < params < 0.8e9  # ~0.69B per K (FLUX.1-dev: 11.9B at K=19 with 38 single blocks)
+    assert not list(folder.rglob("*.safetensors"))
+
+    makers = bench.random_tensor_makers(model, seed=0)
+    assert set(makers) == {n for n, _ in model.named_parameters()}
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert torch.equal(makers[name](), bench.random_tensor_makers(model, seed=0)[name]())
+    assert not torch.equal(makers[name](), bench.random_tensor_makers(model, seed=1)[name]())
+    assert makers[name]().std() == pytest.approx(0.02, rel=0.01)
+    assert torch.equal(makers["transformer_blocks.0.attn.norm_q.weight"](), torch.ones(128))
+    model = model.to_empty(device="cpu")
+    fill_local_shards(model, makers)
+
+    geometry = flux.latent_geometry(folder, 32, 32)
+    assert geometry.packed_channels == 64 and geometry.seq_len == 4
+    originals = (flux.load_text_encoders, flux.encode_prompts, flux.load_vae)
+    with bench.random_weights(0):
+        encoders = flux.load_text_encoders(folder)
+        embeds, pooled, cut = flux.encode_prompts(encoders, ["a cat", "a dog"], max_sequence_length=8)
+        again, _, _ = flux.encode_prompts(encoders, ["a dog"], max_sequence_length=8)
+        vae = flux.load_vae(folder)
+    assert embeds.shape == (2, 8, 4096) and pooled.shape == (2, 768) and cut == [False, False]
+    assert torch.equal(again[0], embeds[1])
+    assert (flux.load_text_encoders, flux.encode_prompts, flux.load_vae) == originals  # restored after the block
+    x = torch.randn(2, geometry.seq_len, geometry.packed_channels)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        v = flux.predict_velocity(model, x, 0.5, embeds, pooled, flux.image_ids(geometry), flux.text_ids(8),
+                                  guidance=3.5)
+        images = flux.decode(vae, v.float(), geometry)
+    assert v.shape == x.shape and torch.isfinite(v).all() and v.float().std() > 0
+    assert images.shape == (2, 3, 32, 32) and torch.isfinite(images).all()
+
+
+@pytest.mark.slow
+def test_bench_step_flux_dev_shape_runs(tmp_path):
+    """The accelerator mode end to end on this CPU (1 double + 2 single blocks at FLUX.1-dev's widths, LoRA, 64²):
+    ~1 min, ~4.5 GB per rank."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--model", "flux-dev-shape",
+                           "--num_layers", "1", "--lora_rank", "4", "--h", "64", "--w", "64", "--sampling_steps", "3",
+                           "--num_generations", "2", "--prompts_per_step", "1", "--steps", "1", "--warmup", "0",
+                           "--max_sequence_length", "8", "--dtypes", "bf16", "--loops", "ours", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert "flux-dev-shape K=1" in proc.stdout
+    assert summary["config"]["model"] == "flux-dev-shape" and summary["config"]["num_layers"] == 1
+    # a token meets 12·D² weights per block (3 blocks), 2 FLOPs each; 16 image + 8 text tokens; adaLN and attention
+    assert 1 < summary["flops_per_step"]["forward_per_sample"] / (2 * 12 * 3072**2 * 3 * (16 + 8)) < 1.1
+    for key in ("images_per_device_second", "mfu_rollout", "mfu_train"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    assert math.isfinite(summary["results"]["bf16"]["ours"]["reward_mean_first_step"])
