@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import flux, training
+from fastvideo import flops, flux, training
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
@@ -43,8 +43,8 @@ def train(args: argparse.Namespace) -> None:
     else:  # every line checked (paths, prompts, image sizes) before any model is loaded
         geometry, dataset, rollout_cfg = run.sampling_inputs()
         pairs = read_preference_file(args.preference_file, dataset.prompts, args.h, args.w)
-        sampler = GroupSampler(len(pairs), args.prompts_per_step, 1, seed=args.seed, rank=dist.rank,
-                               world_size=dist.world_size)
+        sampler = GroupSampler(len(pairs), args.prompts_per_step, 1, seed=args.seed, rank=dist.dp_rank,
+                               world_size=dist.dp_size)
 
     # ---- reward, models (reference = adapters off / frozen copy / snapshot), optimizer; resume ---
     run.load_models(reward=online, need_reference=True, ref_snapshot=args.ref_update_interval > 0,
@@ -69,12 +69,12 @@ def train(args: argparse.Namespace) -> None:
 
             # ---- 2. score, gathered over ranks (a prompt group may span ranks): name -> (P*G,) ------
             all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
-            all_latents = D.all_gather_tensor(traj.clean_latents.cpu())  # (P*G, L, C)
+            all_latents = D.gather_samples(traj.clean_latents.cpu())  # (P*G, L, C)
 
             # ---- 3. pair: best vs worst of each group; this rank's share of the kept pairs ----------
             found = best_worst_pairs(all_rewards["total"], args.num_generations, args.min_reward_gap)
             kept = found.keep.nonzero().flatten()  # (n,) group indices
-            positions, weights = share_pairs(len(kept), dist.rank, dist.world_size)
+            positions, weights = share_pairs(len(kept), dist.dp_rank, dist.dp_size)
             mine = kept[positions] if len(kept) else kept
             x0_w, x0_l = all_latents[found.winner[mine]], all_latents[found.loser[mine]]  # (m, L, C) each
             pair_prompts = [samples.group_prompt_ids[g] for g in mine.tolist()]
@@ -116,8 +116,7 @@ def train(args: argparse.Namespace) -> None:
                 err_w, err_l = pair_errors(policy.model, *inputs, guidance=args.guidance_scale,
                                            autocast_dtype=amp_dtype)
                 loss, _ = dpo_loss(err_w, err_l, ref_w, ref_l, beta=args.beta_dpo, weights=item_weights[items])
-                run.set_gradient_sync(last_backward=k == len(micro_batches) - 1)
-                loss.backward()
+                run.backward(loss, last_backward=k == len(micro_batches) - 1)
                 losses.append(loss.detach())
                 per_item.append(torch.stack([err_w.detach(), err_l.detach(), ref_w, ref_l], dim=1))
             grad_norm = run.optimizer_step()
@@ -129,7 +128,7 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 5. metrics over all pairs of the step, samples, checkpoint ------------------------------
         local = torch.cat(per_item).float().cpu() if per_item else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l
-        table = D.all_gather_tensor(torch.cat([local, item_weights[:, None].cpu()], dim=1))
+        table = D.gather_samples(torch.cat([local, item_weights[:, None].cpu()], dim=1))
         table = table[table[:, 4] > 0]  # the real pairs' items (padding has weight 0)
         step_time = t_sample + t_decode + t_reward + t_train
         metrics.update({
@@ -169,8 +168,9 @@ def preview(run: training.Run, dataset: EmbeddingDataset, prompt_ids: list[int],
     (every rank runs it: the sharded forward is a collective)."""
     batch = training.batch_to(dataset.get_batch(prompt_ids), run.device)
     run.policy.model.eval()
-    traj = rollout(run.policy.model, run.vae, batch, [0] * len(prompt_ids), step, cfg, run.noise, geometry,
-                   device=run.device, autocast_dtype=run.amp_dtype)
+    with flops.phase(None):  # not part of the step's tflops / mfu
+        traj = rollout(run.policy.model, run.vae, batch, [0] * len(prompt_ids), step, cfg, run.noise, geometry,
+                       device=run.device, autocast_dtype=run.amp_dtype)
     run.policy.model.train()
     return traj.images
 

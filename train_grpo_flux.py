@@ -65,9 +65,9 @@ def train(args: argparse.Namespace) -> None:
         t_train = time.perf_counter() - t0
 
         # ---- 5. metrics, samples, checkpoint ------------------------------------------------------
-        ratio_all = D.all_gather_tensor(torch.cat(upd.ratios).float().cpu())
-        first_all = D.all_gather_tensor(torch.cat(upd.first_ratios).float().cpu())
-        diff_all = D.all_gather_tensor(torch.cat(upd.log_diffs).float().cpu())
+        ratio_all = D.gather_samples(torch.cat(upd.ratios).float().cpu())
+        first_all = D.gather_samples(torch.cat(upd.first_ratios).float().cpu())
+        diff_all = D.gather_samples(torch.cat(upd.log_diffs).float().cpu())
         first_metrics, ratio_warning = first_update_check(first_all, args.clip_range)  # on-policy check
         step_time = t_rollout + t_reward + t_train
         metrics = {
@@ -140,8 +140,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                 kl, _ = kl_loss(mean, ref_mean, traj.noise_scale(j))
                 loss = loss + args.kl_beta * kl
                 out.kls.append(kl.detach())
-            run.set_gradient_sync(last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
-            (loss * scale).backward()
+            run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
             ratio = torch.exp(log_prob.detach() - old_log_prob)
             out.ratios.append(ratio)
             out.log_diffs.append(log_prob.detach() - old_log_prob)

@@ -92,8 +92,7 @@ def train(args: argparse.Namespace) -> None:
                 loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
                                    adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
                                    keep=keep[idx].to(device))
-                run.set_gradient_sync(last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
-                (loss * scale).backward()
+                run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
                 for name, value in (("loss", loss), ("policy_loss", m["policy_loss"]), ("kl", m["kl_loss"]),
                                     ("L_pos", m["positive_loss"]), ("L_neg", m["negative_loss"]),
                                     ("old_deviation", (v_theta.detach() - v_old).pow(2).mean())):

@@ -143,6 +143,16 @@ class ParallelOptions:
         "keeps unsharded fp32 gradients of all trainable params until then, 4 B/param: ~48 GB for a FLUX.1-dev full "
         "fine-tune, so LoRA only) | auto = step for LoRA, backward for full fine-tuning",
         choices=("auto", *GRADIENT_SYNC_MODES))
+    sp_size: int = opt(1, "Ulysses sequence parallelism: each group of N consecutive ranks shares its samples and "
+                          "splits their image and text tokens (attention heads / N per rank); FSDP still shards over "
+                          "all ranks. Must divide the ranks, the attention heads (FLUX.1-dev: 24) and the image "
+                          "tokens ((h/16) x (w/16)); text is padded to a multiple of N. See README Sequence "
+                          "parallelism", type=int)
+    attention_backend: str = opt("auto", "diffusers attention kernel for every forward (rollout and replay alike): "
+                                         "auto (torch SDPA; the fused _native_npu kernel on an NPU in bf16) | native | "
+                                         "flash | _native_flash | _native_cudnn | _native_npu | sage | ... (any "
+                                         "diffusers AttentionBackendName); an unavailable one falls back to native "
+                                         "with one warning (always on a CPU job)")
 
 
 @dataclass
@@ -201,6 +211,10 @@ class LoggingOptions:
                                        "uploads them) | disabled (default: the WANDB_MODE variable, else online)",
                                  choices=("online", "offline", "disabled"))
     progress_bar: bool = opt(True, "show a tqdm progress bar on rank 0 (--no-progress_bar to hide)")
+    peak_tflops: float = opt(0.0, "peak dense TFLOP/s per device that the logged mfu divides by; bf16 datasheet "
+                                  "values: H100 SXM / H200 / H800 989, A100 / A800 312, Ascend 910B ~313 (by SKU). "
+                                  "0 = auto: that table by device name in a bf16 run, else a measured large-matmul "
+                                  "peak in the compute dtype (always on a CPU)", type=float)
 
 
 @dataclass
@@ -524,6 +538,24 @@ def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> N
                                 f"--prompt_file {prompts} --output_dir {data} first")
 
 
+def check_parallel_inputs(args: argparse.Namespace) -> None:
+    """--sp_size (diffusers support, heads and image tokens divisible; FSDP2), --attention_backend (a diffusers
+    backend name) and --peak_tflops, from the configs alone; the world size is checked at launch."""
+    from fastvideo import flux, parallel
+
+    flux.check_attention_backend(args.attention_backend)
+    _need(args.peak_tflops >= 0, f"--peak_tflops must be >= 0 (0 = auto), got {args.peak_tflops}")
+    _need(args.sp_size >= 1, f"--sp_size must be >= 1 (1 = no sequence parallelism), got {args.sp_size}")
+    if args.sp_size == 1:
+        return
+    _need(args.fsdp_version == 2, f"--sp_size {args.sp_size} needs --fsdp_version 2 (FSDP2 shards over the dp x sp "
+                                  "ranks under diffusers' context-parallel hooks)")
+    model = Path(args.pretrained_model_name_or_path)
+    config = json.loads((flux.transformer_folder(model) / "config.json").read_text())
+    geometry = flux.latent_geometry(model, args.h, args.w)
+    parallel.check_sequence_parallel(args.sp_size, config["num_attention_heads"], geometry.seq_len)
+
+
 def check_model_inputs(args: argparse.Namespace) -> None:
     """What the model folder must hold for these flags, read from headers and configs only (no weights): the
     transformer's and VAE's safetensors are complete (ValueError naming a corrupt or truncated file), and every
@@ -570,6 +602,7 @@ def validate_common(args: argparse.Namespace) -> None:
           "--lr_scheduler constant_with_warmup (the default) or drop --lr_warmup_steps")
     _need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
     check_model_inputs(args)
+    check_parallel_inputs(args)
     if hasattr(args, "gradient_sync"):
         from fastvideo.parallel import resolve_gradient_sync
 

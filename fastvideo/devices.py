@@ -174,3 +174,15 @@ def deterministic_switches() -> list[str]:
             switches.allow_hf32 = False
             done.append(f"torch.npu.{group}.allow_hf32 = False")
     return done
+
+
+def device_name(device: torch.device | str) -> str:
+    """A readable name of the device (e.g. "NVIDIA H100 80GB HBM3", "Ascend910B3", "x86_64 CPU")."""
+    import platform
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return str(torch.npu.get_device_name(device))
+    return f"{platform.processor() or platform.machine()} CPU"

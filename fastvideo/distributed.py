@@ -2,10 +2,17 @@
 
 Everything else asks here for rank, world size, device and collectives. Running without torchrun
 is simply the world-size-1 case: no process group is created and every collective is the identity.
+
+Sequence parallelism (``set_sequence_parallel``): the world is ``dp x sp`` ranks, consecutive ranks forming one
+sequence-parallel group that works on the same samples (``dp_rank = rank // sp``). Per-sample data is therefore
+split over ``dp_rank``/``dp_size`` and gathered with ``gather_samples`` (one copy per group); FSDP still shards over
+all ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
 import os
 import sys
 import threading
@@ -32,10 +39,26 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+    sp_size: int = 1  # ranks per sequence-parallel group (set_sequence_parallel)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica (sequence-parallel group) this rank belongs to: what decides its samples."""
+        return self.rank // self.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas there are (world size / sp_size)."""
+        return self.world_size // self.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place inside its sequence-parallel group."""
+        return self.rank % self.sp_size
 
 
 _INFO: DistInfo | None = None
@@ -157,6 +180,44 @@ def all_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([o[:n] for o, n in zip(out, sizes)]).to(tensor.device)
 
 
+def gather_samples(tensor: torch.Tensor) -> torch.Tensor:
+    """``all_gather_tensor`` of per-sample data of which every rank of a sequence-parallel group holds the same copy
+    (its group's samples): one copy per group, in data-parallel order (the plain gather without SP)."""
+    sp = info().sp_size
+    if sp == 1 or not is_distributed():
+        return all_gather_tensor(tensor)
+    sizes = all_gather_object(int(tensor.shape[0]))
+    chunks = all_gather_tensor(tensor).split(sizes)
+    return torch.cat(chunks[::sp])
+
+
+def set_sequence_parallel(sp_size: int) -> DistInfo:
+    """Group consecutive ranks into sequence-parallel groups of ``sp_size`` (``info()`` then reports dp/sp ranks);
+    ValueError naming the fix when the world size does not divide. Call once, after ``init_distributed``."""
+    global _INFO, _SP_MESH
+    current = info()
+    if sp_size < 1 or current.world_size % sp_size:
+        raise ValueError(f"--sp_size {sp_size} must be >= 1 and divide the number of ranks ({current.world_size}); "
+                         f"e.g. --sp_size {math.gcd(max(sp_size, 1), current.world_size)}")
+    if sp_size != current.sp_size:
+        _INFO = dataclasses.replace(current, sp_size=sp_size)
+        _SP_MESH = None
+    return _INFO
+
+
+_SP_MESH = None
+
+
+def sequence_parallel_mesh():
+    """The ``("dp", "ring", "ulysses")`` DeviceMesh of shape ``(dp, 1, sp)`` that diffusers' ContextParallelConfig
+    takes (it needs the "ring" and "ulysses" dims by name; each rank's Ulysses group is its SP group). Created once."""
+    global _SP_MESH
+    if _SP_MESH is None:
+        i = info()
+        _SP_MESH = device_mesh((i.dp_size, 1, i.sp_size), ("dp", "ring", "ulysses"))
+    return _SP_MESH
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` as a list indexed by rank."""
     if not is_distributed():
@@ -253,8 +314,8 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
 
 def cleanup() -> None:
     """Tear the process group down (safe to call when none exists)."""
-    global _INFO
+    global _INFO, _SP_MESH
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _INFO = None
+    _INFO, _SP_MESH = None, None

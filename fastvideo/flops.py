@@ -5,11 +5,19 @@
 ``FlopCounterMode`` with this CPU's flash-attention kernels added (torch does not count them), so the formula is
 checked against the counter (tests/test_performance.py). Model FLOPs exclude the recomputation gradient
 checkpointing adds.
+
+In training, ``FlopMeter`` counts every forward of the transformers it is attached to by that formula (cached per
+shape) into the phase ``phase()`` names ("rollout" inside ``rollout.rollout``, else "train"), and ``resolve_peak``
+picks the peak the logged ``mfu`` divides by (--peak_tflops, a datasheet value by device name, or measured).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import json
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -19,9 +27,10 @@ def _cfg(config: Any, key: str, default: Any = None) -> Any:
 
 
 def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: int = 1, *,
-                      backward: bool = False) -> int:
+                      backward: bool = False, weight_grads: bool = True) -> int:
     """FLOPs of one FLUX transformer forward (``backward``: forward + backward = 3x, input and weight gradients) on
-    ``batch`` samples of ``image_tokens`` packed image tokens and ``text_tokens`` T5 tokens.
+    ``batch`` samples of ``image_tokens`` packed image tokens and ``text_tokens`` T5 tokens. ``weight_grads=False``
+    (LoRA: frozen base weights) counts the backward's input gradients only: the matmuls once more, attention twice.
 
     Per sample, with width D, N = L + T tokens: each double block 24·N·D² (img and txt q/k/v/out and 4x MLPs)
     + 4·N²·D (QKᵀ and AV) + 24·D² (two adaLN D->6D), each single block 24·N·D² + 4·N²·D + 6·D², plus the
@@ -40,7 +49,12 @@ def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: i
     single = _cfg(config, "num_single_layers") * (24 * N * D * D + 4 * N * N * D + 6 * D * D)
     output = 2 * D * 2 * D + 2 * L * D * out_ch
     forward = batch * (embedders + double + single + output)
-    return 3 * forward if backward else forward
+    if not backward:
+        return forward
+    if weight_grads:
+        return 3 * forward
+    attention = batch * (_cfg(config, "num_layers") + _cfg(config, "num_single_layers")) * 4 * N * N * D
+    return 2 * forward + attention
 
 
 def _cpu_flash_mapping() -> dict:
@@ -88,3 +102,105 @@ def peak_matmul_flops(device: torch.device | str, dtype: torch.dtype, size: int 
             devices.synchronize(device)
     devices.synchronize(device)
     return 2 * n ** 3 * calls / (time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------- in training
+_PHASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastvideo_flop_phase", default="train")
+
+
+@contextlib.contextmanager
+def phase(name: str | None) -> Iterator[None]:
+    """Count the forwards inside under ``name`` ("rollout", "train"; None: not counted, e.g. evaluation, and then
+    neither is anything nested inside, whatever phase it names)."""
+    if _PHASE.get() is None:
+        yield
+        return
+    token = _PHASE.set(name)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_flops(config_json: str, image_tokens: int, text_tokens: int, batch: int, backward: bool,
+                  weight_grads: bool) -> int:
+    return transformer_flops(json.loads(config_json), image_tokens, text_tokens, batch, backward=backward,
+                             weight_grads=weight_grads)
+
+
+class FlopMeter:
+    """Model FLOPs of this rank, per phase: a forward pre-hook on each attached transformer adds its forward's FLOPs
+    (``transformer_flops`` of the input shapes, cached per shape; a forward under grad also counts its backward,
+    which follows it in training) divided by the sequence-parallel degree (each rank of an SP group does 1/sp)."""
+
+    def __init__(self, sp_size: int = 1) -> None:
+        self.sp_size = sp_size
+        self.totals: dict[str, float] = {}
+        self._handles: list[Any] = []
+
+    def attach(self, model: Any) -> None:
+        """Count ``model``'s forwards (a FluxTransformer2DModel, bare or wrapped: hooked on the inner module)."""
+        from fastvideo.flux import model_config, unwrap_model
+
+        config = dict(model_config(model))
+        key = json.dumps({k: config.get(k) for k in ("num_attention_heads", "attention_head_dim", "num_layers",
+                                                      "num_single_layers", "in_channels", "out_channels",
+                                                      "patch_size", "joint_attention_dim", "pooled_projection_dim",
+                                                      "guidance_embeds")}, sort_keys=True)
+        inner = unwrap_model(model)
+        # LoRA (frozen base weights): the backward computes input gradients only
+        weight_grads = any(p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)
+
+        def hook(module, args, kwargs):
+            name = _PHASE.get()
+            if name is None:
+                return
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            text = kwargs.get("encoder_hidden_states")
+            if x is None or text is None:
+                return
+            flops = _cached_flops(key, x.shape[1], text.shape[1], x.shape[0], torch.is_grad_enabled(), weight_grads)
+            self.totals[name] = self.totals.get(name, 0.0) + flops / self.sp_size
+
+        self._handles.append(inner.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def take(self) -> dict[str, float]:
+        """FLOPs per phase since the last ``take`` (and reset)."""
+        out, self.totals = self.totals, {}
+        return out
+
+
+# bf16 dense TFLOP/s per device from vendors' datasheets (no sparsity), matched against the device name
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0,
+                         "910B": 313.0}
+
+
+def resolve_peak(peak_tflops: float, device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
+    """``(peak FLOP/s per device, where it came from)``: --peak_tflops if > 0; in a bf16 run on an accelerator the
+    datasheet value of a known device name; else a measured large-matmul rate in ``dtype`` (half a second; call it on
+    every rank at once, as ranks sharing a host share its cores)."""
+    from fastvideo import devices
+
+    device = torch.device(device)
+    if peak_tflops > 0:
+        return peak_tflops * 1e12, "--peak_tflops"
+    if device.type != "cpu" and dtype == torch.bfloat16:
+        name = devices.device_name(device)
+        for key, value in DATASHEET_BF16_TFLOPS.items():
+            if key in name:
+                return value * 1e12, f"datasheet bf16 ({name})"
+    size = 1024 if device.type == "cpu" else None
+    return peak_matmul_flops(device, dtype, size=size, seconds=0.5), f"measured {str(dtype)[6:]} matmul"
+
+
+def throughput_metrics(flops: Mapping[str, float], seconds: Mapping[str, float], peak: float) -> dict[str, float]:
+    """``tflops_rollout``, ``tflops_train`` (this rank's model TFLOP/s in each phase: its FLOPs / the phase's seconds)
+    and ``mfu`` (all of the step's model FLOPs / the step's seconds / ``peak``); ``seconds`` has rollout, train, step."""
+    out = {}
+    for name in ("rollout", "train"):
+        if flops.get(name) and seconds.get(name):
+            out[f"tflops_{name}"] = flops[name] / seconds[name] / 1e12
+    if seconds.get("step"):
+        out["mfu"] = sum(flops.values()) / seconds["step"] / peak
+    return out

@@ -376,6 +376,11 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
     if not torch.is_autocast_enabled(device.type):
         dtype = _model_dtype(transformer)
         latents, prompt_embeds, pooled = latents.to(dtype), prompt_embeds.to(dtype), pooled.to(dtype)
+    sp = sequence_parallel_size(transformer)
+    if prompt_embeds.shape[1] % sp:  # Ulysses splits the text sequence evenly: zero embeddings (ids 0) appended
+        pad = sp - prompt_embeds.shape[1] % sp
+        prompt_embeds = torch.nn.functional.pad(prompt_embeds, (0, 0, 0, pad))
+        txt_ids = torch.cat([txt_ids, txt_ids.new_zeros(pad, txt_ids.shape[1])])
     out = transformer(
         hidden_states=latents,
         timestep=timestep,
@@ -387,6 +392,11 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
         return_dict=False,
     )[0]
     return out.float()
+
+
+def sequence_parallel_size(transformer: Any) -> int:
+    """The Ulysses degree ``parallel.enable_sequence_parallel`` gave the transformer (1 without)."""
+    return getattr(unwrap_model(transformer), "_fastvideo_sp_size", 1)
 
 
 def decode(vae: Any, latents: torch.Tensor, geometry: LatentGeometry, micro_batch: int | None = None
@@ -587,11 +597,89 @@ def _set_npu_attention(model: Any) -> str:
     return f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} unavailable: {reason})"
 
 
+FALLBACK_ATTENTION_BACKEND = "native"  # torch SDPA: runs everywhere, supports Ulysses context parallelism
+_warned_backends: set[str] = set()
+
+
+def attention_backend_names() -> list[str]:
+    """diffusers' attention backend names (``AttentionBackendName``), e.g. native, flash, _native_flash, sage."""
+    try:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+    except ImportError:
+        return []
+    return [b.value for b in AttentionBackendName]
+
+
+def check_attention_backend(name: str) -> None:
+    """ValueError naming the choices when ``--attention_backend`` is not ``auto`` or a diffusers backend name (a
+    typo is an error; an unavailable kernel is a fallback, at load time)."""
+    if name == "auto":
+        return
+    names = attention_backend_names()
+    if not names:
+        raise ValueError(f"--attention_backend {name!r} needs diffusers' attention dispatcher (diffusers >= 0.35); "
+                         "upgrade diffusers or use --attention_backend auto")
+    if name not in names:
+        raise ValueError(f"--attention_backend {name!r} is not a diffusers attention backend; use auto or one of "
+                         f"{', '.join(names)}")
+
+
+def _probe_attention(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the backend once on a tiny (1, 8, 2, 64) q/k/v: kernels that load but cannot run here raise now."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
+    dispatch_attention_fn(q, q, q, backend=name)
+
+
+def set_attention_backend(transformer: Any, name: str, device: torch.device | str,
+                          dtype: torch.dtype = torch.bfloat16) -> str:
+    """Use attention backend ``name`` in every attention layer of the transformer (all its forwards: rollout and
+    replay alike); returns the backend in use. When the kernel or the hardware is unavailable (its package missing,
+    not this device, not context-parallel capable under --sp_size, or a trial call fails), it falls back to
+    ``native`` (torch SDPA) with one warning per process (rank 0 prints it). A CPU job always uses ``native``."""
+    from fastvideo import distributed
+
+    model = unwrap_model(transformer)
+    device = torch.device(device)
+    reason = None
+    if name != FALLBACK_ATTENTION_BACKEND and device.type == "cpu":
+        reason = "this is a CPU job, where only torch's native SDPA is used"
+    elif name != FALLBACK_ATTENTION_BACKEND:
+        try:
+            model.set_attention_backend(name)
+            _probe_attention(name, device, dtype)
+        except (RuntimeError, ValueError, ImportError, NotImplementedError, TypeError, AssertionError) as err:
+            reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    if reason is None and name != FALLBACK_ATTENTION_BACKEND:
+        return name
+    model.set_attention_backend(FALLBACK_ATTENTION_BACKEND)  # also diffusers' process-wide default
+    if reason is not None and name not in _warned_backends:
+        _warned_backends.add(name)
+        if distributed.is_main_process():
+            warnings.warn(f"--attention_backend {name} is unavailable ({reason}); using "
+                          f"{FALLBACK_ATTENTION_BACKEND} (torch SDPA) for every forward instead", stacklevel=2)
+    return FALLBACK_ATTENTION_BACKEND
+
+
+def attention_backend_of(transformer: Any) -> set[str]:
+    """The backends the transformer's attention processors use (diffusers' ``_attention_backend``; None = default)."""
+    model = unwrap_model(transformer)
+    found = set()
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_attention_backend"):
+            backend = processor._attention_backend
+            found.add(getattr(backend, "value", backend))
+    return found
+
+
 def prepare_for_device(transformer: Any, device: torch.device | str, *,
-                       param_dtype: torch.dtype | None = None) -> list[str]:
+                       param_dtype: torch.dtype | None = None, attention_backend: str = "auto") -> list[str]:
     """Adapt a FLUX transformer to ``device``'s type; returns what it changed (print it). On "npu": float32
     rotary embedding (``use_float32_rope``) and, where diffusers offers it, the ``_native_npu`` fused attention.
-    cuda / cpu: nothing.
+    cuda / cpu: nothing. ``attention_backend`` other than "auto" (--attention_backend): that diffusers backend in
+    every attention layer, or ``native`` with one warning when unavailable (``set_attention_backend``).
 
     ``param_dtype``: the dtype of the weights during the forward (FSDP mixed precision's ``param_dtype``; default:
     the stored weights' dtype). NPU fused attention takes only bf16/fp16 q, k and v, which holds only with half
@@ -599,9 +687,16 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *,
     bf16, which torch SDPA casts under autocast but diffusers' NPU backend is registered for bf16/fp16 only, so
     then SDPA is kept.
     """
+    model = unwrap_model(transformer)
+    if attention_backend != "auto":
+        used = set_attention_backend(model, attention_backend, device, param_dtype or _model_dtype(model))
+        done = [f"attention backend: {used}" + ("" if used == attention_backend else
+                                                  f" (--attention_backend {attention_backend} unavailable)")]
+        if devices.device_type(device) == "npu" and use_float32_rope(model):
+            done.insert(0, "pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")
+        return done
     if devices.device_type(device) != "npu":
         return []
-    model = unwrap_model(transformer)
     done = []
     if use_float32_rope(model):
         done.append("pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")

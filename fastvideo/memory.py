@@ -73,7 +73,9 @@ class MemoryPlan:
         lines = [f"memory plan per rank ({f['device_type']}, world size {f['world_size']}, shard group "
                  f"{f['shard_size']}, {f['mode']}, compute {f['compute_dtype']}): transformer "
                  f"{f['params'] / 1e9:.3f}B params, {f['trainable'] / 1e9:.4f}B trainable; micro-batch "
-                 f"{f['train_batch_size']} x ({f['image_tokens']} image + {f['text_tokens']} text tokens)",
+                 f"{f['train_batch_size']} x ({f['image_tokens']} image + {f['text_tokens']} text tokens)"
+                 + (f"; --sp_size {f['sp_size']}: {f['image_tokens'] // f['sp_size']} + "
+                    f"{-(-f['text_tokens'] // f['sp_size'])} tokens per rank" if f.get("sp_size", 1) > 1 else ""),
                  f"  {'item':<56}{'phase':<12}{'device GiB':>11}{'host GiB':>10}  note"]
         for i in self.items:
             lines.append(f"  {i.name:<56}{i.phase:<12}{i.device / GiB:>11.2f}{i.host / GiB:>10.2f}  {i.note}")
@@ -320,6 +322,8 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     L, T, B, C = geometry.seq_len, _text_tokens(args), samples, geometry.packed_channels
     S = args.sampling_steps
     joint = model.config.joint_attention_dim
+    sp = getattr(args, "sp_size", 1)
+    Ls, Ts = L // sp, -(-T // sp)  # tokens per rank in the transformer: Ulysses splits both sequences (text padded)
     items: list[PlanItem] = []
 
     def state(name: str, nbytes: float, note: str) -> None:
@@ -369,14 +373,15 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     act = {}
     for ckpt in (False, True):  # both, so the plan shows what --gradient_checkpointing changes
         sim.enable_gradient_checkpointing() if ckpt else sim.disable_gradient_checkpointing()
-        act[ckpt] = transformer_activation_bytes(sim, micro, L, T, cdt, train=True)
+        act[ckpt] = transformer_activation_bytes(sim, micro, Ls, Ts, cdt, train=True)
     used = bool(args.gradient_checkpointing)
     items.append(PlanItem(f"activations, micro-batch of {micro}", act[used], phase="train",
-                          note="with gradient checkpointing" if used else "no gradient checkpointing"))
+                          note=("with gradient checkpointing" if used else "no gradient checkpointing")
+                          + (f"; 1/{sp} of the sequence (--sp_size)" if sp > 1 else "")))
     items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
                           phase="not used", note="not counted"))
     if reference or old_policy:
-        no_grad = transformer_activation_bytes(sim, micro, L, T, cdt, train=False)
+        no_grad = transformer_activation_bytes(sim, micro, Ls, Ts, cdt, train=False)
         name = " / ".join(n for n, on in (("reference", reference), ("old-policy", old_policy)) if on)
         items.append(PlanItem(f"{name} forward (no grad)", no_grad, phase="train", note="transient, one at a time"))
         if old_policy:
@@ -384,7 +389,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                                   note="micro-batch x L x C"))
     rb = min(args.rollout_batch_size, B)
     items.append(PlanItem(f"rollout forward (no grad), batch of {rb}",
-                          transformer_activation_bytes(sim, rb, L, T, cdt, train=False), phase="rollout"))
+                          transformer_activation_bytes(sim, rb, Ls, Ts, cdt, train=False), phase="rollout"))
     del sim, model
 
     # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
@@ -425,5 +430,5 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     errors, warnings_ = memory_flag_problems(world, device_type, args.use_cpu_offload, amp is not None)
     facts = dict(device_type=device_type, world_size=world, shard_size=shard, params=n_all, trainable=n_train,
                  mode=f"LoRA rank {args.lora_rank}" if is_lora else "full fine-tune", compute_dtype=str(cdt)[6:],
-                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync)
+                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync, sp_size=sp)
     return MemoryPlan(items, facts, errors + warnings_)

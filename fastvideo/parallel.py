@@ -159,6 +159,7 @@ def shard_model(
     gradient_checkpointing: bool = False,
     hybrid_shard_size: int | None = None,
     compile: bool = False,
+    sp_size: int = 1,
 ) -> nn.Module:
     """Apply activation checkpointing, ``torch.compile`` to every transformer block (``compile``: static shapes, a
     graph per batch size and grad mode, compiled at first use), then FSDP to every block, then FSDP to the root.
@@ -169,6 +170,9 @@ def shard_model(
     materialise the whole model on every GPU). Call it once, after ``add_lora`` (adapters must exist before
     sharding) and before building the optimizer (which must see the sharded parameters).
     ``hybrid_shard_size`` overrides the shard-group size of ``hybrid_full`` (default: ranks per node).
+    ``sp_size`` > 1: Ulysses sequence parallelism over each group of ``sp_size`` consecutive ranks
+    (``enable_sequence_parallel``); FSDP still shards over all ranks (dp x sp), so the trainer scales its loss by
+    ``sp_size`` (``training.Run.backward``: FSDP averages the partial gradients of the SP ranks over dp x sp).
 
     A model on the meta device (the 12B path) comes back with this rank's shards allocated but uninitialised: fill
     them with ``weights.load_safetensors_into`` (and ``weights.fill_local_shards`` for generated ones) before use.
@@ -192,9 +196,63 @@ def shard_model(
         model = _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size)
         if on_meta:  # allocates only the local shards (on the CPU when offloading, where FSDP2 keeps them)
             model.to_empty(device="cpu" if cpu_offload else device)
+        if sp_size > 1:
+            enable_sequence_parallel(model, sp_size)
         return model
+    if sp_size > 1:
+        raise ValueError("--sp_size > 1 needs --fsdp_version 2")
     return _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size,
                         on_meta)
+
+
+def check_sequence_parallel(sp_size: int, num_heads: int, image_tokens: int) -> None:
+    """ValueError naming the fix when Ulysses SP of degree ``sp_size`` cannot run: diffusers without
+    ContextParallelConfig (< 0.36), attention heads not divisible by it (Ulysses splits the heads), or image tokens
+    not divisible by it (diffusers splits the image sequence evenly; text tokens are padded instead)."""
+    if sp_size == 1:
+        return
+    import diffusers
+
+    if not hasattr(diffusers, "ContextParallelConfig"):
+        raise ValueError(f"--sp_size {sp_size} needs diffusers' ContextParallelConfig (diffusers >= 0.36; this is "
+                         f"{diffusers.__version__}): pip install -U diffusers, or use --sp_size 1")
+    if num_heads % sp_size:
+        fits = [d for d in range(2, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(f"--sp_size {sp_size} must divide the transformer's {num_heads} attention heads (Ulysses "
+                         f"gives each rank heads / sp_size of them); use one of {fits}")
+    if image_tokens % sp_size:
+        raise ValueError(f"--sp_size {sp_size} must divide the {image_tokens} image tokens of --h x --w (diffusers "
+                         "splits the image sequence evenly): pick --h and --w so that (h/16) x (w/16) is a multiple of "
+                         f"{sp_size} (1024 x 1024 gives 4096 tokens, 720 x 720 gives 2025)")
+
+
+def enable_sequence_parallel(model: nn.Module, sp_size: int) -> None:
+    """Ulysses sequence parallelism over this rank's SP group (``distributed.sequence_parallel_mesh``) through
+    diffusers' ``enable_parallelism``: the model's context-parallel plan splits the image and text sequences over the
+    group on the way in, all-to-alls q/k/v so each rank attends over the whole sequence with heads / sp_size heads,
+    and gathers the output (its backward keeps each rank's own tokens' share: the SP ranks' parameter gradients are
+    partial and sum to the whole). Text embeddings must come padded to a multiple of ``sp_size``
+    (``flux.predict_velocity`` does it)."""
+    from contextlib import contextmanager
+
+    from diffusers import ContextParallelConfig
+
+    inner = unwrap_model(model)
+    check_sequence_parallel(sp_size, inner.config.num_attention_heads, 0)
+
+    @contextmanager
+    def at_least_one_device():  # diffusers takes rank % torch.accelerator.device_count(): 0 on a CPU-only host
+        count = torch.accelerator.device_count
+        torch.accelerator.device_count = lambda: max(count(), 1)
+        try:
+            yield
+        finally:
+            torch.accelerator.device_count = count
+
+    with at_least_one_device():
+        inner.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp_size,
+                                                              mesh=distributed.sequence_parallel_mesh()))
+    inner._fastvideo_sp_size = sp_size
 
 
 def memory_flag_problems(world_size: int, device_type: str, cpu_offload: bool, compute_bf16: bool

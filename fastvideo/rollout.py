@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, flux
+from fastvideo import devices, flops, flux
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
@@ -167,6 +167,7 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
 
 
 @torch.no_grad()
+@flops.phase("rollout")  # its transformer forwards count as the step's rollout FLOPs
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
             cfg: RolloutConfig, noise: NoiseSource, geometry: flux.LatentGeometry, *,
             device: torch.device | str, autocast_dtype: torch.dtype | None = None,

@@ -18,7 +18,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import flux, lora, parallel, preemption, weights
+from fastvideo import flops, flux, lora, parallel, preemption, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -148,7 +148,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     transformer.train()
     shard_kwargs = dict(fsdp_version=args.fsdp_version, sharding_strategy=args.fsdp_sharding_strategy,
                         mixed_precision=_fsdp_precision(args.mixed_precision, device),
-                        cpu_offload=args.use_cpu_offload, compile=args.compile)
+                        cpu_offload=args.use_cpu_offload, compile=args.compile, sp_size=args.sp_size)
     transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
                                        **shard_kwargs)
     folder = flux.transformer_folder(args.pretrained_model_name_or_path)
@@ -173,7 +173,8 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
         old = OldPolicy(transformer, old_model)
     param_dtype = compute_dtype(args.mixed_precision, device) or torch.float32  # FSDP's param_dtype in the forward
     for model in (transformer, frozen_ref, old.old_model if old is not None else None):
-        done = flux.prepare_for_device(model, device, param_dtype=param_dtype) if model is not None else []
+        done = flux.prepare_for_device(model, device, param_dtype=param_dtype,
+                                       attention_backend=args.attention_backend) if model is not None else []
         if done and D.is_main_process() and model is transformer:
             print("device adaptations: " + "; ".join(done), flush=True)
     ema = ckpt.EMA(transformer, decay=args.ema_decay, warmup=args.ema_warmup) if args.use_ema else None
@@ -226,11 +227,28 @@ def dry_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, in
     rank, launched_world = D.launch_env()
     world = args.dry_run_world_size or launched_world
     device_type = (args.device or D.pick_device_type()).split(":")[0]
-    counts = validate(args, world)
+    counts = with_sp_counts(validate(args, data_parallel_size(args.sp_size, world)), args.sp_size)
     if rank != 0:
         return
     print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
+
+
+def data_parallel_size(sp_size: int, world_size: int) -> int:
+    """Data-parallel replicas of ``world_size`` ranks in sequence-parallel groups of ``sp_size`` (what the batch
+    arithmetic divides by); ValueError naming the fix when they do not divide."""
+    if world_size % sp_size:
+        raise ValueError(f"--sp_size {sp_size} must divide the number of ranks ({world_size}); use a divisor of "
+                         f"{world_size}, or launch a multiple of {sp_size} ranks")
+    return world_size // sp_size
+
+
+def with_sp_counts(counts: dict[str, int], sp_size: int) -> dict[str, int]:
+    """The batch arithmetic (computed over ``dp_size`` replicas) relabelled for --sp_size > 1: ``dp_size``,
+    ``sp_size`` and the real ``world_size``; the ``samples_per_rank`` are then each SP group's."""
+    if sp_size == 1:
+        return counts
+    return {**counts, "dp_size": counts["world_size"], "sp_size": sp_size, "world_size": counts["world_size"] * sp_size}
 
 
 def _fsdp_precision(mixed_precision: str, device: torch.device) -> str:
@@ -361,8 +379,9 @@ def check_resume_config(config: dict, saved: dict | None) -> None:
 
 
 def run_config(args: argparse.Namespace, counts: dict[str, int]) -> dict:
-    """What config.json records: every flag plus the derived batch arithmetic (world size excluded)."""
-    per_rank = ("world_size", "samples_per_rank", "pairs_per_rank", "micro_batches_per_rank",
+    """What config.json records: every flag plus the derived batch arithmetic (world size and its dp x sp split
+    excluded: a checkpoint resumes on another layout)."""
+    per_rank = ("world_size", "dp_size", "sp_size", "samples_per_rank", "pairs_per_rank", "micro_batches_per_rank",
                 "gradient_accumulation_steps")
     arithmetic = {k: v for k, v in counts.items() if k not in per_rank}
     return {**vars(args), "batch_arithmetic": arithmetic}
@@ -508,7 +527,7 @@ class Run:
         parse_reward_spec(args.reward)
         geometry, dataset, cfg = self.sampling_inputs()
         sampler = GroupSampler(len(dataset), args.prompts_per_step, args.num_generations, seed=args.seed,
-                               rank=self.dist.rank, world_size=self.dist.world_size)
+                               rank=self.dist.dp_rank, world_size=self.dist.dp_size)
         return geometry, dataset, sampler, cfg
 
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
@@ -533,6 +552,15 @@ class Run:
         self.optimizer = build_optimizer(self.policy, args)  # right after sharding (FSDP2 swaps in DTensors)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, optimizer_steps)
         self.vae = flux.load_vae(args.pretrained_model_name_or_path, device=self.device)
+        self.flop_meter = flops.FlopMeter(self.dist.sp_size)  # model FLOPs per phase, for tflops_* and mfu
+        old = self.policy.old.old_model if self.policy.old is not None else None
+        for model in (self.policy.model, self.policy.frozen_ref, old):
+            if model is not None:
+                self.flop_meter.attach(model)
+        D.barrier()  # every rank measures at once (ranks sharing a host share its cores)
+        self.peak_flops, source = flops.resolve_peak(args.peak_tflops, self.device, self.amp_dtype or torch.float32)
+        if self.dist.is_main:
+            print(f"mfu: against {self.peak_flops / 1e12:.4g} TFLOP/s per device ({source})", flush=True)
 
     def resume(self, **state: Any) -> int:
         """Restore the checkpoint (if resuming) into the models and ``state`` (name -> object with
@@ -579,17 +607,18 @@ class Run:
         t0 = time.perf_counter()
         n = min(args.eval_max_prompts or len(ds), len(ds))
         total = n * args.eval_num_images
-        prompt_ids, sample_indices, real = evaluation.image_items(n, args.eval_num_images, dist.rank,
-                                                                  dist.world_size)
+        prompt_ids, sample_indices, real = evaluation.image_items(n, args.eval_num_images, dist.dp_rank,
+                                                                  dist.dp_size)
         noise = NoiseSource(derive_seed(args.seed, "eval"), device=args.noise_device)
-        images = evaluation.ode_images(self.policy.model, self.vae, ds, prompt_ids, sample_indices,
-                                       rollout_config(args), noise, self.geometry, device=self.device,
-                                       amp_dtype=self.amp_dtype)
+        with flops.phase(None):  # not training work: outside the step's tflops / mfu
+            images = evaluation.ode_images(self.policy.model, self.vae, ds, prompt_ids, sample_indices,
+                                           rollout_config(args), noise, self.geometry, device=self.device,
+                                           amp_dtype=self.amp_dtype)
         rewards, _ = self.score(images, [ds.prompts[i] for i in prompt_ids])  # gathered: entries >= total are padding
         all_ids = torch.arange(total) // args.eval_num_images  # the global order of evaluation.image_items
         summary = evaluation.reward_summary({k: v[:total] for k, v in rewards.items()}, all_ids)
         metrics = evaluation.eval_metrics(summary)
-        shown = D.all_gather_tensor(images[:min(real, -(-16 // dist.world_size))].cpu())  # (<= 16 + world, 3, H, W)
+        shown = D.gather_samples(images[:min(real, -(-16 // dist.dp_size))].cpu())  # (<= 16 + dp, 3, H, W)
         if dist.is_main:
             grid = save_image_grid(shown[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
             self.logger.log_image("eval/samples", grid, step)
@@ -613,11 +642,17 @@ class Run:
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
         """Reward this rank's images in one batched call, all-gathered over ranks: ``name -> (P*G,)`` CPU float32 in
-        global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent."""
+        global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent.
+        Under --sp_size the ranks of a sequence-parallel group hold the same images: each scores its consecutive share,
+        so every image is scored once and the gather is in sample order."""
+        share = torch.arange(len(prompts)).tensor_split(self.dist.sp_size)[self.dist.sp_rank]
+        scored = share if len(share) else torch.zeros(1, dtype=torch.long)  # an empty share scores one, sends none
+        images, prompts = images[scored.to(images.device)], [prompts[i] for i in scored.tolist()]
         t0 = time.perf_counter()
         rewards = self.reward_fn(images, prompts)
         seconds = time.perf_counter() - t0
-        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)  # (B, components + total)
+        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)[:len(share)]  # (b, components+1)
+        prompts = prompts[:len(share)]
         gathered = D.all_gather_tensor(stacked)
         bad = ~torch.isfinite(gathered).all(dim=1)  # the same on every rank
         if bad.any():
@@ -646,9 +681,10 @@ class Run:
         return gathered
 
     def local(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's equal slice of a gathered per-sample tensor (e.g. rewards in global sample order)."""
-        n = len(values) // self.dist.world_size
-        return values[self.dist.rank * n:(self.dist.rank + 1) * n]
+        """This rank's equal slice of a gathered per-sample tensor (e.g. rewards in global sample order): its
+        data-parallel replica's (the same on every rank of a sequence-parallel group)."""
+        n = len(values) // self.dist.dp_size
+        return values[self.dist.dp_rank * n:(self.dist.dp_rank + 1) * n]
 
     def advantages(self, rewards: torch.Tensor, samples: Any, prompt_ids: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -660,15 +696,35 @@ class Run:
         args = self.args
         group_ids = torch.arange(args.prompts_per_step).repeat_interleave(args.num_generations)  # (P*G,)
         expected = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
-        assert torch.equal(D.all_gather_tensor(prompt_ids.cpu()), expected), "gathered samples are not in group order"
+        assert torch.equal(D.gather_samples(prompt_ids.cpu()), expected), "gathered samples are not in group order"
         adv_all, metrics = group_advantages(rewards, group_ids, global_std=args.global_std,
                                             adv_clip_max=args.adv_clip_max, eps=args.adv_eps)
         n = len(prompt_ids)
-        return adv_all, metrics, adv_all[self.dist.rank * n:(self.dist.rank + 1) * n].to(self.device)
+        return adv_all, metrics, adv_all[self.dist.dp_rank * n:(self.dist.dp_rank + 1) * n].to(self.device)
 
     def set_gradient_sync(self, last_backward: bool) -> None:
         """Before each backward: reduce-scatter now (--gradient_sync backward) or only on a cycle's last backward."""
         parallel.set_gradient_sync(self.policy.model, self.sync_every_backward or last_backward)
+
+    def throughput(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """``tflops_rollout``, ``tflops_train`` and ``mfu`` of the step (``flops.throughput_metrics`` from the FLOPs
+        the meter counted since the last step and the trainer's time_rollout / time_train / time_step), the mean over
+        ranks (a collective)."""
+        seconds = {name: float(metrics.get(f"time_{name}", 0.0)) for name in ("rollout", "train", "step")}
+        local = flops.throughput_metrics(self.flop_meter.take(), seconds, self.peak_flops)
+        keys = ("tflops_rollout", "tflops_train", "mfu")
+        present = torch.tensor([k in local for k in keys], dtype=torch.float32)
+        values = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float32)
+        summed = D.all_reduce_sum(torch.cat([values, present]))
+        return {k: float(summed[i] / summed[3 + i]) for i, k in enumerate(keys) if summed[3 + i] > 0}
+
+    def backward(self, loss: torch.Tensor, last_backward: bool) -> None:
+        """``set_gradient_sync(last_backward)``, then back-propagate ``loss``, times --sp_size: each rank of a
+        sequence-parallel group gets only its own tokens' share of the parameter gradients (they sum to the whole)
+        and FSDP averages over all dp x sp ranks, so the factor makes the result the mean over data-parallel
+        replicas, as without sequence parallelism."""
+        self.set_gradient_sync(last_backward)
+        (loss * self.dist.sp_size if self.dist.sp_size > 1 else loss).backward()
 
     def optimizer_step(self) -> float:
         """Clip the gradient norm, step optimizer + schedule + EMA (skipped, and counted, when the norm is not
@@ -711,6 +767,7 @@ class Run:
         args = self.args
         now = time.perf_counter()
         self.train_seconds += now - self.step_started
+        metrics = {**metrics, **self.throughput(metrics)}
         if self.replay is not None:
             self.replay.check_step(step)
         seconds, signals = zip(*D.all_gather_object((self.train_seconds, preemption.requested())))
@@ -805,8 +862,8 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     from fastvideo import record
     from fastvideo.seeding import NoiseSource, seed_all
 
-    dist = D.info()
-    counts = validate(args, dist.world_size)
+    dist = D.set_sequence_parallel(args.sp_size)  # ValueError on every rank when it does not divide the ranks
+    counts = with_sp_counts(validate(args, dist.dp_size), dist.sp_size)  # samples split over the dp replicas
     check_memory_flags(args, dist.world_size, dist.device)
     config = run_config(args, counts)
     check_output_dir(args.output_dir)

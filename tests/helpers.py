@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # metrics that depend on the machine's speed or memory, not on the computation (left out when runs are compared)
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
+TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb", "tflops_", "mfu")
 
 
 def free_port() -> int:

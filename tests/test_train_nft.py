@@ -13,7 +13,7 @@ from helpers import assert_lora_changes_pipeline, run_torchrun
 
 from fastvideo.logging import read_metrics
 
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb")
+TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb", "tflops_", "mfu")
 
 
 def nft_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

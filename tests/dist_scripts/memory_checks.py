@@ -147,7 +147,8 @@ def _policy_args(model_dir: str, fsdp_version: int = 2, strategy: str = "full", 
     return argparse.Namespace(pretrained_model_name_or_path=model_dir, lora_rank=lora_rank, lora_alpha=None,
                               lora_target_modules=None, seed=0, fsdp_version=fsdp_version,
                               fsdp_sharding_strategy=strategy, mixed_precision="fp32", use_cpu_offload=False,
-                              gradient_checkpointing=False, compile=False, use_ema=False, ema_decay=0.99)
+                              gradient_checkpointing=False, compile=False, use_ema=False, ema_decay=0.99,
+                              sp_size=1, attention_backend="auto")
 
 
 def _max_diff_vs_file(sd: dict, model_dir: str) -> float:
