@@ -196,7 +196,7 @@ def resolve_peak(peak_tflops: float, device: torch.device | str, dtype: torch.dt
 
 def throughput_metrics(flops: Mapping[str, float], seconds: Mapping[str, float], peak: float) -> dict[str, float]:
     """``tflops_rollout``, ``tflops_train`` (this rank's model TFLOP/s in each phase: its FLOPs / the phase's seconds)
-    and ``mfu`` (all of the step's model FLOPs / the step's seconds / ``peak``); ``seconds`` has rollout, train, step."""
+    and ``mfu`` (all of the step's model FLOPs / the step's seconds / ``peak``); ``seconds``: rollout, train, step."""
     out = {}
     for name in ("rollout", "train"):
         if flops.get(name) and seconds.get(name):

@@ -645,14 +645,17 @@ class Run:
         global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent.
         Under --sp_size the ranks of a sequence-parallel group hold the same images: each scores its consecutive share,
         so every image is scored once and the gather is in sample order."""
-        share = torch.arange(len(prompts)).tensor_split(self.dist.sp_size)[self.dist.sp_rank]
-        scored = share if len(share) else torch.zeros(1, dtype=torch.long)  # an empty share scores one, sends none
-        images, prompts = images[scored.to(images.device)], [prompts[i] for i in scored.tolist()]
+        mine = len(prompts)
+        if self.dist.sp_size > 1:
+            share = torch.arange(len(prompts)).tensor_split(self.dist.sp_size)[self.dist.sp_rank]
+            mine = len(share)
+            scored = share if mine else torch.zeros(1, dtype=torch.long)  # an empty share scores one, sends none
+            images, prompts = images[scored.to(images.device)], [prompts[i] for i in scored.tolist()]
         t0 = time.perf_counter()
         rewards = self.reward_fn(images, prompts)
         seconds = time.perf_counter() - t0
-        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)[:len(share)]  # (b, components+1)
-        prompts = prompts[:len(share)]
+        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)[:mine]  # (b, components + total)
+        prompts = prompts[:mine]
         gathered = D.all_gather_tensor(stacked)
         bad = ~torch.isfinite(gathered).all(dim=1)  # the same on every rank
         if bad.any():
