@@ -403,11 +403,10 @@ def _compare_check(check: dict) -> dict[str, float]:
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
+    from fastvideo import devices
 
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s) per rank"
+    name = devices.device_name(device)
+    return f"{name}, {torch.get_num_threads()} thread(s) per rank" if device.type == "cpu" else name
 
 
 # ------------------------------------------------------------------------------------------------- the summary

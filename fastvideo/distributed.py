@@ -191,14 +191,22 @@ def gather_samples(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(chunks[::sp])
 
 
+def data_parallel_size(sp_size: int, world_size: int) -> int:
+    """Data-parallel replicas of ``world_size`` ranks in sequence-parallel groups of ``sp_size`` (what the batch
+    arithmetic divides by); ValueError naming the fix when they do not divide."""
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(f"--sp_size {sp_size} must divide the number of ranks ({world_size}); use a divisor of "
+                         f"{world_size} (e.g. --sp_size {math.gcd(max(sp_size, 1), world_size)}), or launch a "
+                         f"multiple of {sp_size} ranks")
+    return world_size // sp_size
+
+
 def set_sequence_parallel(sp_size: int) -> DistInfo:
     """Group consecutive ranks into sequence-parallel groups of ``sp_size`` (``info()`` then reports dp/sp ranks);
     ValueError naming the fix when the world size does not divide. Call once, after ``init_distributed``."""
     global _INFO, _SP_MESH
     current = info()
-    if sp_size < 1 or current.world_size % sp_size:
-        raise ValueError(f"--sp_size {sp_size} must be >= 1 and divide the number of ranks ({current.world_size}); "
-                         f"e.g. --sp_size {math.gcd(max(sp_size, 1), current.world_size)}")
+    data_parallel_size(sp_size, current.world_size)
     if sp_size != current.sp_size:
         _INFO = dataclasses.replace(current, sp_size=sp_size)
         _SP_MESH = None

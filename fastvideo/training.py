@@ -227,20 +227,11 @@ def dry_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, in
     rank, launched_world = D.launch_env()
     world = args.dry_run_world_size or launched_world
     device_type = (args.device or D.pick_device_type()).split(":")[0]
-    counts = with_sp_counts(validate(args, data_parallel_size(args.sp_size, world)), args.sp_size)
+    counts = with_sp_counts(validate(args, D.data_parallel_size(args.sp_size, world)), args.sp_size)
     if rank != 0:
         return
     print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
-
-
-def data_parallel_size(sp_size: int, world_size: int) -> int:
-    """Data-parallel replicas of ``world_size`` ranks in sequence-parallel groups of ``sp_size`` (what the batch
-    arithmetic divides by); ValueError naming the fix when they do not divide."""
-    if world_size % sp_size:
-        raise ValueError(f"--sp_size {sp_size} must divide the number of ranks ({world_size}); use a divisor of "
-                         f"{world_size}, or launch a multiple of {sp_size} ranks")
-    return world_size // sp_size
 
 
 def with_sp_counts(counts: dict[str, int], sp_size: int) -> dict[str, int]:

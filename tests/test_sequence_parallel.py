@@ -82,7 +82,7 @@ def test_sp_flag_errors_name_the_fix(tiny_flux_dir):
     with pytest.raises(ValueError, match="not a diffusers attention backend"):
         flux.check_attention_backend("flash_attention_9")
     flux.check_attention_backend("sage")
-    from fastvideo.training import data_parallel_size
+    from fastvideo.distributed import data_parallel_size
 
     assert data_parallel_size(2, 8) == 4
     with pytest.raises(ValueError, match="--sp_size 3 must divide the number of ranks"):
