@@ -111,6 +111,7 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     model = FluxTransformer2DModel.from_pretrained(_subfolder(path, "transformer"), torch_dtype=dtype,
                                                    local_files_only=True)
     model = model.to(device)
+    keep_attention_dtype(model)
     prepare_for_device(model, device)
     return model
 
@@ -118,6 +119,32 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32
 def transformer_folder(path: str | os.PathLike) -> Path:
     """The transformer component folder of a FLUX folder (or ``path`` itself if it is one)."""
     return _subfolder(path, "transformer")
+
+
+class ComputeDtypeRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose output keeps its input's dtype, so q, k and v reach attention in one dtype.
+
+    CUDA autocast runs ``rms_norm`` in float32 (CPU autocast does not), so FLUX's ``norm_q``/``norm_k`` would hand
+    float32 q/k to attention beside a bf16 v: Ulysses' backward and the flash/sage/xformers kernels reject that, and
+    the trained function would differ from FluxPipeline's (bf16 weights, no autocast: bf16 norm outputs). The norm
+    itself still computes in float32 where autocast says so; only its result is rounded to the input's dtype, which
+    is what FluxPipeline computes. A no-op without autocast (fp32 stays fp32 bit for bit). Same parameters and
+    state-dict keys as ``torch.nn.RMSNorm``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(x.dtype)
+
+
+def keep_attention_dtype(transformer: Any) -> int:
+    """Make every ``torch.nn.RMSNorm`` of the transformer a ``ComputeDtypeRMSNorm`` (in place: class swap, weights and
+    names unchanged); returns how many were swapped. ``build_transformer`` and ``load_transformer`` call it."""
+    swapped = 0
+    for module in unwrap_model(transformer).modules():
+        if type(module) is torch.nn.RMSNorm:
+            module.__class__ = ComputeDtypeRMSNorm
+            swapped += 1
+    return swapped
 
 
 def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
@@ -131,9 +158,11 @@ def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     torch.set_default_dtype(dtype)  # parameters are created in ``dtype`` (no cast afterwards)
     try:
         with torch.device("meta"):
-            return FluxTransformer2DModel.from_config(config)
+            model = FluxTransformer2DModel.from_config(config)
     finally:
         torch.set_default_dtype(default)
+    keep_attention_dtype(model)
+    return model
 
 
 def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -624,12 +653,14 @@ def check_attention_backend(name: str) -> None:
                          f"{', '.join(names)}")
 
 
-def _probe_attention(name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Run the backend once on a tiny (1, 8, 2, 64) q/k/v: kernels that load but cannot run here raise now."""
+def _probe_attention(name: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> None:
+    """Run the backend once on a tiny (1, 8, 2, head_dim) q/k/v, all three in ``dtype``: what the model passes
+    (``ComputeDtypeRMSNorm`` keeps q/k in v's dtype, the compute dtype), so kernels that load but cannot run these
+    inputs here raise now."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    q = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)
-    dispatch_attention_fn(q, q, q, backend=name)
+    q, k, v = (torch.randn(1, 8, 2, head_dim, device=device, dtype=dtype) for _ in range(3))
+    dispatch_attention_fn(q, k, v, backend=name)
 
 
 def set_attention_backend(transformer: Any, name: str, device: torch.device | str,
@@ -648,7 +679,7 @@ def set_attention_backend(transformer: Any, name: str, device: torch.device | st
     elif name != FALLBACK_ATTENTION_BACKEND:
         try:
             model.set_attention_backend(name)
-            _probe_attention(name, device, dtype)
+            _probe_attention(name, device, dtype, int(_config_get(model_config(model), "attention_head_dim", 64)))
         except (RuntimeError, ValueError, ImportError, NotImplementedError, TypeError, AssertionError) as err:
             reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     if reason is None and name != FALLBACK_ATTENTION_BACKEND:
@@ -682,10 +713,8 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *,
     every attention layer, or ``native`` with one warning when unavailable (``set_attention_backend``).
 
     ``param_dtype``: the dtype of the weights during the forward (FSDP mixed precision's ``param_dtype``; default:
-    the stored weights' dtype). NPU fused attention takes only bf16/fp16 q, k and v, which holds only with half
-    precision weights: with float32 weights under autocast, diffusers' q/k RMSNorm returns float32 while v is
-    bf16, which torch SDPA casts under autocast but diffusers' NPU backend is registered for bf16/fp16 only, so
-    then SDPA is kept.
+    the stored weights' dtype), which is the dtype of q, k and v at every attention call (``ComputeDtypeRMSNorm``).
+    NPU fused attention takes only bf16/fp16 q, k and v, so with float32 compute SDPA is kept.
     """
     model = unwrap_model(transformer)
     if attention_backend != "auto":

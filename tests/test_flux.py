@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastvideo import flux
+from helpers import REPO
 
 PROMPTS = ["a photo of a cat", "An astronaut riding a horse on Mars, 4k, highly-detailed!!", "a red cube " * 40]
 
@@ -194,3 +195,55 @@ def test_predict_velocity_through_wrappers(tiny_flux_dir, pipe, encoders):
         assert flux.model_config(model).guidance_embeds
         with torch.no_grad():
             torch.testing.assert_close(flux.predict_velocity(model, *args), expected, rtol=0, atol=1e-6)
+
+
+def _attention_dtypes(model, latents, embeds, pooled, geometry, **kwargs) -> set[tuple[torch.dtype, ...]]:
+    """The (q, k, v) dtypes of every attention call of one ``predict_velocity``."""
+    from unittest import mock
+
+    from diffusers.models import attention_dispatch
+
+    seen, real = set(), attention_dispatch.dispatch_attention_fn
+
+    def spy(query, key, value, *args, **kw):
+        seen.add((query.dtype, key.dtype, value.dtype))
+        return real(query, key, value, *args, **kw)
+
+    ids = flux.image_ids(geometry), flux.text_ids(embeds.shape[1])
+    with mock.patch("diffusers.models.transformers.transformer_flux.dispatch_attention_fn", spy):
+        flux.predict_velocity(model, latents, 0.7, embeds, pooled, *ids, **kwargs)
+    return seen
+
+
+def test_one_dtype_into_attention_under_cuda_rms_norm_policy(tiny_flux_dir):
+    """CUDA autocast runs rms_norm in float32 (imitated on the CPU): q/k/v still reach attention in one dtype, bf16,
+    as in FluxPipeline's pure-bf16 forward. Without the fix norm_q/norm_k hand float32 q/k beside a bf16 v. The fp32
+    path is bit-identical to the stock norms and the CPU bf16 path unchanged (CPU autocast keeps rms_norm in bf16)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "dist_scripts"))
+    from cuda_rms_norm import float32_rms_norm
+
+    model = flux.load_transformer(tiny_flux_dir)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert norms and all(type(m) is flux.ComputeDtypeRMSNorm for m in norms)
+    stock = flux.load_transformer(tiny_flux_dir)
+    for m in stock.modules():
+        if type(m) is flux.ComputeDtypeRMSNorm:
+            m.__class__ = torch.nn.RMSNorm  # diffusers' own norms
+    geometry = flux.latent_geometry(tiny_flux_dir, 64, 64)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, *geometry.packed_shape, generator=g)
+    embeds, pooled = torch.randn(2, 8, model.config.joint_attention_dim, generator=g), torch.randn(2, 32, generator=g)
+    args = (latents, 0.7, embeds, pooled, flux.image_ids(geometry), flux.text_ids(8))
+    assert torch.equal(flux.predict_velocity(model, *args), flux.predict_velocity(stock, *args))  # fp32: unchanged
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(flux.predict_velocity(model, *args), flux.predict_velocity(stock, *args))  # CPU bf16 too
+        with float32_rms_norm():
+            assert _attention_dtypes(stock, latents, embeds, pooled, geometry) == {
+                (torch.float32, torch.float32, torch.bfloat16)}  # what CUDA did before the fix
+            assert _attention_dtypes(model, latents, embeds, pooled, geometry) == {(torch.bfloat16,) * 3}
+            cuda_like = flux.predict_velocity(model, *args)
+        cpu_bf16 = flux.predict_velocity(model, *args)
+    assert torch.isfinite(cuda_like).all()
+    assert (cuda_like - cpu_bf16).abs().max() < 0.05 * cpu_bf16.abs().max()  # only the norms' rounding differs

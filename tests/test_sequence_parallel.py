@@ -44,6 +44,18 @@ def sp_runs(tiny_flux_dir, tiny_data, tmp_path_factory):
     return {"sp2": (base / "sp2", sp2), "sp1": (base / "sp1", sp1)}
 
 
+def test_sp2_trains_in_bf16_with_cuda_float32_rms_norm(tiny_flux_dir, tiny_data, tmp_path):
+    """--sp_size 2 in bf16 with rms_norm in float32 under autocast, as CUDA runs it (dist_scripts/cuda_rms_norm.py): a
+    GRPO step trains (before q/k were kept in bf16, Ulysses' backward re-ran SDPA on float32 q/k and a bf16 v and
+    raised "Expected query, key, and value to have the same dtype") and the first replay is on-policy."""
+    args = common_args(tiny_flux_dir, tiny_data, tmp_path / "out", "--max_train_steps", "1", "--sample_every", "0",
+                       "--sp_size", "2", "--mixed_precision", "bf16")
+    run_torchrun([str(REPO / "tests" / "dist_scripts" / "cuda_rms_norm.py"), *args])
+    (row,) = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert row["ratio_first_update"] == 1.0 and row["ratio_first_update_max_dev"] == 0.0
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+
+
 def test_attention_backend_falls_back_once_and_stays_on_policy(sp_runs):
     out, proc = sp_runs["sp2"]
     text = proc.stdout + proc.stderr
