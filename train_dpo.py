@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import flops, flux, training
+from fastvideo import devices, flops, flux, training
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
@@ -107,9 +107,10 @@ def train(args: argparse.Namespace) -> None:
             micro_batches = torch.arange(len(rows)).split(args.train_batch_size)
             for k, items in enumerate(micro_batches):
                 idx = rows[items]
-                inputs = (x0_w[idx].to(device), x0_l[idx].to(device), eps[items], sigma[items],
-                          {key: pair_batch[key][idx.to(device)] for key in ("prompt_embeds", "pooled_prompt_embeds")},
-                          geometry)
+                idx_dev = devices.to_device(idx, device)  # CPU draws and latents: pinned, non-blocking copies
+                cond = {key: pair_batch[key][idx_dev] for key in ("prompt_embeds", "pooled_prompt_embeds")}
+                inputs = (devices.to_device(x0_w[idx], device), devices.to_device(x0_l[idx], device), eps[items],
+                          sigma[items], cond, geometry)
                 with torch.no_grad(), policy.reference() as ref_model:
                     ref_w, ref_l = pair_errors(ref_model, *inputs, guidance=args.guidance_scale,
                                                autocast_dtype=amp_dtype)
@@ -127,7 +128,8 @@ def train(args: argparse.Namespace) -> None:
             images = preview(run, dataset, pair_prompts, step, rollout_cfg, geometry)  # ODE samples of the policy
 
         # ---- 5. metrics over all pairs of the step, samples, checkpoint ------------------------------
-        local = torch.cat(per_item).float().cpu() if per_item else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l
+        host = training.to_host({"items": torch.cat(per_item), "loss": losses} if per_item else {})  # one copy
+        local = host["items"] if per_item else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l
         table = D.gather_samples(torch.cat([local, item_weights[:, None].cpu()], dim=1))
         table = table[table[:, 4] > 0]  # the real pairs' items (padding has weight 0)
         step_time = t_sample + t_decode + t_reward + t_train
@@ -139,7 +141,7 @@ def train(args: argparse.Namespace) -> None:
             "samples_per_s": run.counts.get("samples_per_step", 2 * args.prompts_per_step) / step_time,
         })
         postfix = {"loss": "{:.4f}", **({"reward_mean": "{:.5g}"} if online else {})}
-        trace = {"loss": torch.stack(losses).view(-1, 1), "item_errors": local} if losses else None
+        trace = {"loss": host["loss"].view(-1, 1), "item_errors": local} if losses else None
         if run.end_step(step, metrics, images, postfix=postfix, trace=trace):
             break
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastvideo import devices, training
 from fastvideo import distributed as D
-from fastvideo import training
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.losses import first_update_check, grpo_loss, kl_loss
 from fastvideo.memory import plan_grpo
@@ -65,17 +65,18 @@ def train(args: argparse.Namespace) -> None:
         t_train = time.perf_counter() - t0
 
         # ---- 5. metrics, samples, checkpoint ------------------------------------------------------
-        ratio_all = D.gather_samples(torch.cat(upd.ratios).float().cpu())
-        first_all = D.gather_samples(torch.cat(upd.first_ratios).float().cpu())
-        diff_all = D.gather_samples(torch.cat(upd.log_diffs).float().cpu())
+        host = training.to_host({"ratio": torch.cat(upd.ratios), "first": torch.cat(upd.first_ratios),
+                                 "diff": torch.cat(upd.log_diffs), "loss": upd.losses, "kl": upd.kls,
+                                 "clipfrac": upd.clipfracs})  # one device->host copy for the step's metrics
+        ratio_all, first_all, diff_all = (D.gather_samples(host[k]) for k in ("ratio", "first", "diff"))
         first_metrics, ratio_warning = first_update_check(first_all, args.clip_range)  # on-policy check
         step_time = t_rollout + t_reward + t_train
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
             **training.reward_metrics(all_rewards),
             "adv_mean": adv_all.mean(), "adv_std": adv_all.std(unbiased=False), "adv_abs_max": adv_all.abs().max(),
-            "loss": rank_mean(upd.losses), "kl": rank_mean(upd.kls) if upd.kls else 0.0,
-            "clipfrac": rank_mean(upd.clipfracs),
+            "loss": rank_mean(host["loss"]), "kl": rank_mean(host["kl"]) if upd.kls else 0.0,
+            "clipfrac": rank_mean(host["clipfrac"]),
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
             "ratio_max": ratio_all.max(), **first_metrics,
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
@@ -87,7 +88,7 @@ def train(args: argparse.Namespace) -> None:
         if dist.is_main and ratio_warning and not warned_ratio:
             warned_ratio = True
             print(f"warning: step {step}: {ratio_warning}", flush=True)
-        trace = {"loss": torch.stack(upd.losses).view(-1, upd.timesteps.shape[1]), "timesteps": upd.timesteps}
+        trace = {"loss": host["loss"].view(-1, upd.timesteps.shape[1]), "timesteps": upd.timesteps}
         if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "ratio_mean": "{:.6f}"},
                         trace=trace):
             break
@@ -124,14 +125,16 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     scale = 1.0 / (accum * num_trained)
     out = Update(timesteps=timesteps)
     run.optimizer.zero_grad(set_to_none=True)
+    timesteps_dev = devices.to_device(timesteps, run.device)  # once per step: the loop below never syncs
     micro_batches = torch.arange(len(samples.prompt_ids)).split(args.train_batch_size)
-    for mb_index, idx in enumerate(micro_batches):
+    for mb_index, idx_cpu in enumerate(micro_batches):
+        idx = devices.to_device(idx_cpu, run.device)
         adv_mb = advantages[idx]
         for k in range(num_trained):
-            j = timesteps[idx, k]
+            j = timesteps_dev[idx, k]
             log_prob, mean, std = replay_log_prob(policy.model, traj, idx, j, batch, rollout_cfg, geometry,
                                                   autocast_dtype=amp_dtype)
-            old_log_prob = traj.log_probs[idx, j].to(run.device)
+            old_log_prob = traj.log_probs[idx, j]
             loss, m = grpo_loss(log_prob, old_log_prob, adv_mb, args.clip_range)
             if args.kl_beta > 0:
                 with torch.no_grad(), policy.reference() as ref_model:

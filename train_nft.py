@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fastvideo import training
+from fastvideo import devices, training
 from fastvideo.config import parse_nft_args, validate_nft
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 from fastvideo.memory import plan_nft
@@ -61,6 +61,7 @@ def train(args: argparse.Namespace) -> None:
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
         advantages = nft_advantages(advantages, args.adv_mode, args.adv_clip_max)  # (B,) this rank's
         keep = run.local(all_rewards["total"].isfinite())  # (B,) False: dropped for a non-finite reward
+        keep_dev = devices.to_device(keep, device)
 
         # ---- 4. forward-process update: micro-batches x trained sigmas, loss in x0 space ---------------
         t0 = time.perf_counter()
@@ -73,12 +74,14 @@ def train(args: argparse.Namespace) -> None:
                                                                  "old_deviation")}
         grad_norms = []
         micro_batches = torch.arange(len(samples.prompt_ids)).split(args.train_batch_size)
-        for mb_index, idx in enumerate(micro_batches):
-            cond = {k: batch[k][idx.to(device)] for k in ("prompt_embeds", "pooled_prompt_embeds")}
-            keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx.tolist()],
-                        sample_indices=[samples.sample_indices[i] for i in idx.tolist()])
+        timesteps_dev = devices.to_device(timesteps, device)  # once per step: the loop below never syncs
+        for mb_index, idx_cpu in enumerate(micro_batches):
+            idx = devices.to_device(idx_cpu, device)
+            cond = {k: batch[k][idx] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+            keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx_cpu.tolist()],
+                        sample_indices=[samples.sample_indices[i] for i in idx_cpu.tolist()])
             for k in range(num_trained):
-                t = traj.sigmas[timesteps[idx, k].to(traj.sigmas.device)]  # (b,) per-sample sigma
+                t = traj.sigmas[timesteps_dev[idx, k]]  # (b,) per-sample sigma
                 eps = noise.batch_randn(tuple(x0.shape[1:]), step=step, purpose=f"nft_eps/{k}", **keys)
                 x_t = forward_noise(x0[idx], eps, t)  # (b, L, C)
                 with torch.no_grad():
@@ -91,7 +94,7 @@ def train(args: argparse.Namespace) -> None:
                 v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
                 loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
                                    adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
-                                   keep=keep[idx].to(device))
+                                   keep=keep_dev[idx])
                 run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
                 for name, value in (("loss", loss), ("policy_loss", m["policy_loss"]), ("kl", m["kl_loss"]),
                                     ("L_pos", m["positive_loss"]), ("L_neg", m["negative_loss"]),
@@ -110,18 +113,19 @@ def train(args: argparse.Namespace) -> None:
         # ---- 6. metrics, samples, checkpoint ------------------------------------------------------------
         t_rollout, t_decode = traj.timings["sample"], traj.timings["decode"]
         step_time = t_rollout + t_decode + t_reward + t_train
+        host = training.to_host(logs)  # one device->host copy for the step's metrics
         r_all = nft_optimality(nft_advantages(adv_all, args.adv_mode, args.adv_clip_max), args.adv_clip_max)
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
             **training.reward_metrics(all_rewards),
-            **{name: rank_mean(values) for name, values in logs.items()},
+            **{name: rank_mean(values) for name, values in host.items()},
             "r_mean": r_all.mean(), "r_std": r_all.std(unbiased=False),
             "old_decay": old_decay, "old_updates": old.num_updates,
             "grad_norm": sum(grad_norms) / len(grad_norms), "trained_timesteps": num_trained,
             "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
             "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
         }
-        trace = {"loss": torch.stack(logs["loss"]).view(len(micro_batches), num_trained), "timesteps": timesteps}
+        trace = {"loss": host["loss"].view(len(micro_batches), num_trained), "timesteps": timesteps}
         if run.end_step(step, metrics, traj.images, postfix={"reward_mean": "{:.5g}", "loss": "{:.4f}"}, trace=trace):
             break
 

@@ -69,6 +69,18 @@ def synchronize(device: torch.device | str) -> None:
         module.synchronize(device)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device`` without blocking the host: a CPU tensor bound for an accelerator is copied from pinned
+    memory with ``non_blocking=True`` (a pageable copy waits for the stream, i.e. is a host sync); a tensor already on
+    ``device`` is returned as it is. For CPU-drawn noise and index tensors entering the sampling and replay loops."""
+    device = torch.device(device)
+    if tensor.device == device or (tensor.device.type == device.type and device.index is None):
+        return tensor
+    if tensor.device.type == "cpu" and device.type in ACCELERATOR_TYPES:
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def empty_cache(device: torch.device | str) -> None:
     """Return the allocator's cached blocks on ``device`` to the driver; a no-op on the CPU."""
     module = device_module(device)

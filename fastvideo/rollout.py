@@ -18,6 +18,7 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -129,9 +130,15 @@ class Trajectory:
         return self.clean_latents.shape[0]
 
     @property
-    def sigma_max(self) -> float:
-        """The sigma used in place of 1 in flow_sde's noise-scale denominator: ``sigmas[1]``."""
-        return float(self.sigmas[1])
+    def sigma_max(self) -> torch.Tensor:
+        """The sigma used in place of 1 in flow_sde's noise-scale denominator: ``sigmas[1]`` (0-d, on the device:
+        reading it as a number would be a host sync in the replay loop)."""
+        return self.sigmas[1]
+
+    @functools.cached_property
+    def stochastic_cpu(self) -> torch.Tensor:
+        """``stochastic`` on the CPU, copied once (argument checks in the replay loop read it without a host sync)."""
+        return self.stochastic.cpu()
 
     def noise_scale(self, j: int | torch.Tensor) -> torch.Tensor:
         """KL noise scale ``s`` (REFERENCE §4) of step ``j`` (int -> 0-d, (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
@@ -141,7 +148,17 @@ class Trajectory:
 
 
 def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tensor:
-    return int(j) if not torch.is_tensor(j) or j.ndim == 0 else j.to(device=device, dtype=torch.long)
+    """A step index as an int, or as a long tensor on ``device`` (0-d or (b,); never read back: no host sync)."""
+    return int(j) if not torch.is_tensor(j) else devices.to_device(j.to(torch.long), device)
+
+
+def _conditioning(geometry: flux.LatentGeometry, embeds: torch.Tensor, guidance: float | None, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(image ids (L, 3), text ids (T, 3), guidance 0-d float32 or None)`` on ``device``, made without a blocking
+    copy (pinned, non-blocking), for ``flux.predict_velocity``."""
+    img_ids = devices.to_device(flux.image_ids(geometry, dtype=embeds.dtype), device)
+    txt_ids = flux.text_ids(embeds.shape[1], device, embeds.dtype)
+    return img_ids, txt_ids, None if guidance is None else devices.to_device(torch.tensor(float(guidance)), device)
 
 
 def window_starts(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> list[int]:
@@ -185,9 +202,8 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         raise ValueError(f"geometry is {geometry.height}x{geometry.width} but cfg asks for {cfg.height}x{cfg.width}; "
                          "build both from the same --h/--w")
     L, C = geometry.seq_len, geometry.packed_channels
-    sigmas = get_sigmas(S, shift=cfg.shift, image_seq_len=L)
-    sigma_list = sigmas.tolist()
-    sigma_max = sigma_list[1]
+    sigmas = get_sigmas(S, shift=cfg.shift, image_seq_len=L)  # (S+1,) CPU
+    sigma_list = sigmas.tolist()  # python floats: the dpm2 bookkeeping and x0_hat, no device values read
 
     init_indices = [0] * B if cfg.init_same_noise else sample_indices
     x_init = noise.batch_randn((L, C), step=step, prompt_ids=prompt_ids, sample_indices=init_indices,
@@ -198,39 +214,40 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         sde_noise = noise.batch_randn((S, L, C), step=step, prompt_ids=prompt_ids, sample_indices=sample_indices,
                                       purpose="sde")  # (B, S, L, C)
 
+    # Everything the step loop reads is on the device before it starts (pinned, non-blocking copies): the loop
+    # launches kernels only, with no host sync and no blocking copy (DESIGN principle 9).
+    sigmas_dev = devices.to_device(sigmas, device)  # (S+1,): sigma and sigma' of step i are sigmas_dev[i], [i+1]
     embeds_all, pooled_all = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    img_ids = flux.image_ids(geometry, device, embeds_all.dtype)
-    txt_ids = flux.text_ids(embeds_all.shape[1], device, embeds_all.dtype)
+    img_ids, txt_ids, guidance = _conditioning(geometry, embeds_all, cfg.guidance, device)
     latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device) if keep_latents else None
     log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
     clean = torch.empty(B, L, C, dtype=torch.float32, device=device)
-    stochastic_dev = stochastic.to(device)
+    stochastic_dev = devices.to_device(stochastic, device)
     images = []
     t_sample = t_decode = 0.0
     for start in range(0, B, cfg.batch_size):
         mb = slice(start, min(start + cfg.batch_size, B))
         t0 = time.perf_counter()
-        x = x_init[mb].to(device=device, dtype=torch.float32)  # (b, L, C)
+        x = devices.to_device(x_init[mb], device).float()  # (b, L, C)
+        noise_mb = None if sde_noise is None else devices.to_device(sde_noise[mb], device)  # (b, S, L, C)
         if latents is not None:
             latents[mb, 0] = x
-        embeds = embeds_all[mb].to(device)
-        pooled = pooled_all[mb].to(device)
+        embeds = devices.to_device(embeds_all[mb], device)
+        pooled = devices.to_device(pooled_all[mb], device)
         prev_x0 = prev_sigma = None  # dpm2: the previous step's x0_hat and sigma (first step first order)
         for i in range(S):
+            sigma, sigma_next = sigmas_dev[i], sigmas_dev[i + 1]  # 0-d device tensors
             with devices.autocast(device, autocast_dtype):
-                v = flux.predict_velocity(transformer, x, sigma_list[i], embeds, pooled, img_ids, txt_ids,
-                                          guidance=cfg.guidance)
+                v = flux.predict_velocity(transformer, x, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance)
             v = v.float()
             if cfg.solver == "dpm2":
-                x_next, prev_x0 = dpm2_step(v, x, sigma_list[i], sigma_list[i + 1], prev_x0=prev_x0,
-                                            sigma_prev=prev_sigma)
-                prev_sigma = sigma_list[i]
+                x_next, prev_x0 = dpm2_step(v, x, sigma, sigma_next, prev_x0=prev_x0, sigma_prev=prev_sigma)
+                prev_sigma = sigma
             else:
-                x_next = ode_step(v, x, sigma_list[i], sigma_list[i + 1])
-            if sde_noise is not None and bool(stochastic[mb, i].any()):
-                x_sde, lp, _, _ = sde_step_with_logprob(
-                    v, x, sigma_list[i], sigma_list[i + 1], sde_type=cfg.sde_type, eta=cfg.eta,
-                    noise=sde_noise[mb, i].to(device), sigma_max=sigma_max)
+                x_next = ode_step(v, x, sigma, sigma_next)
+            if noise_mb is not None and bool(stochastic[mb, i].any()):  # stochastic is on the CPU: no sync
+                x_sde, lp, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=cfg.sde_type, eta=cfg.eta,
+                                                        noise=noise_mb[:, i], sigma_max=sigmas_dev[1])
                 st = stochastic_dev[mb, i]
                 x_next = torch.where(st.view(-1, 1, 1), x_sde, x_next)
                 log_probs[mb, i] = torch.where(st, lp, torch.zeros_like(lp))
@@ -239,14 +256,14 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
             if latents is not None:
                 latents[mb, i + 1] = x_next
             x = x_next
-        devices.synchronize(device)
+        devices.synchronize(device)  # for the phase timings: once per micro-batch, after its sampling loop
         t1 = time.perf_counter()
         images.append(flux.decode(vae, clean[mb], geometry, micro_batch=cfg.decode_batch_size or None).float())
         devices.synchronize(device)
         t_sample += t1 - t0
         t_decode += time.perf_counter() - t1
     return Trajectory(
-        latents=latents, log_probs=log_probs, sigmas=sigmas.to(device), stochastic=stochastic_dev,
+        latents=latents, log_probs=log_probs, sigmas=sigmas_dev, stochastic=stochastic_dev,
         images=torch.cat(images), clean_latents=clean,
         prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), sample_indices=torch.tensor(sample_indices),
         step=int(step), sde_type=cfg.sde_type, eta=float(cfg.eta), sde_window_size=cfg.sde_window_size,
@@ -268,7 +285,7 @@ def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_ind
     if len(prompt_ids) != B or len(sample_indices) != B:
         raise ValueError(f"need one prompt id and sample index per trajectory sample ({B}), got "
                          f"{len(prompt_ids)} and {len(sample_indices)}")
-    stochastic = traj.stochastic.cpu()
+    stochastic = traj.stochastic_cpu
     if not bool(stochastic.any()):
         raise ValueError("the rollout has no stochastic step (eta=0): nothing to train with log-prob ratios; "
                          "set eta > 0")
@@ -291,6 +308,9 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
                     autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute step ``j`` (int, or (b,) per sample) for samples ``idx`` with the current policy, with grad.
 
+    ``idx``/``j`` on the CPU are checked against the rollout's stochastic steps (host data) and copied non-blocking;
+    on the device they are used as they are (the trainers' replay loop: no host sync, no blocking copy).
+
     Evaluates the recorded ``latents[idx, j+1]`` under the policy's Gaussian step from ``latents[idx, j]``;
     returns ``(log_prob (b,), prev_sample_mean (b, L, C), std (b,))`` in float32. The SDE type and eta
     are the ones recorded in ``traj``; ``cfg`` supplies the guidance. ``batch`` is the dict the rollout
@@ -299,22 +319,20 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
     if traj.latents is None:
         raise ValueError("replay_log_prob needs the trajectory: sample with rollout(..., keep_latents=True)")
     dev = traj.latents.device
-    idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
-    jj = _step_index(j, dev)
-    if not bool(traj.stochastic[idx, jj].all()):
+    idx, j = torch.as_tensor(idx, dtype=torch.long), torch.as_tensor(j, dtype=torch.long)
+    if idx.device.type == "cpu" and j.device.type == "cpu" and not bool(traj.stochastic_cpu[idx, j].all()):
         raise ValueError("replay_log_prob asked for a step that was not stochastic in the rollout (an ODE step "
                          "has no log-prob); pick steps with select_trained_timesteps")
+    idx, jj = devices.to_device(idx, dev), devices.to_device(j, dev)  # pinned, non-blocking: no host sync
     x = traj.latents[idx, jj]  # (b, L, C)
     x_next = traj.latents[idx, jj + 1]
-    sigma, sigma_next = traj.sigmas[jj], traj.sigmas[jj + 1]  # 0-d or (b,)
-    idx_b = idx.to(batch["prompt_embeds"].device)
-    embeds = batch["prompt_embeds"][idx_b].to(dev)
-    pooled = batch["pooled_prompt_embeds"][idx_b].to(dev)
-    img_ids = flux.image_ids(geometry, dev, embeds.dtype)
-    txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
+    sigma, sigma_next = traj.sigmas[jj], traj.sigmas[jj + 1]  # 0-d or (b,), on the device
+    idx_b = devices.to_device(idx, batch["prompt_embeds"].device)
+    embeds = devices.to_device(batch["prompt_embeds"][idx_b], dev)
+    pooled = devices.to_device(batch["pooled_prompt_embeds"][idx_b], dev)
+    img_ids, txt_ids, guidance = _conditioning(geometry, embeds, cfg.guidance, dev)
     with devices.autocast(dev, autocast_dtype):
-        v = flux.predict_velocity(transformer, x, sigma if torch.is_tensor(jj) else float(sigma), embeds, pooled,
-                                  img_ids, txt_ids, guidance=cfg.guidance)
+        v = flux.predict_velocity(transformer, x, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance)
     _, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=traj.sde_type, eta=traj.eta,
                                                    prev_sample=x_next, sigma_max=traj.sigma_max)
     return log_prob, mean, std
@@ -326,9 +344,10 @@ def noised_velocity(transformer: torch.nn.Module, x0: torch.Tensor, noise: torch
     """The forward process and the model on it: ``x_σ = (1-σ)·x0 + σ·ε`` for packed clean latents ``x0`` (b, L, C),
     noise ``ε`` (b, L, C) and ``sigma`` (b,); returns ``(v_hat, v* = ε - x0)``, both (b, L, C) float32.
     ``batch`` holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
+    noise = devices.to_device(noise, x0.device)  # one non-blocking copy of CPU-drawn noise
     x_t = forward_noise(x0, noise, sigma)
     v = model_velocity(transformer, x_t, sigma, batch, geometry, guidance=guidance, autocast_dtype=autocast_dtype)
-    return v, noise.to(x0.device, torch.float32) - x0.float()
+    return v, noise.to(torch.float32) - x0.float()
 
 
 def pair_noise(noise: NoiseSource, shape: tuple[int, ...], step: int, pair_keys: list[int],
@@ -361,8 +380,8 @@ def pair_errors(transformer: torch.nn.Module, x0_w: torch.Tensor, x0_l: torch.Te
 def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """The rectified-flow forward process ``x_σ = (1-σ)·x0 + σ·ε`` in float32 for packed latents (b, L, C) and a
     per-sample ``sigma`` (b,)."""
-    s = sigma.to(x0.device, torch.float32).view(-1, 1, 1)
-    return (1 - s) * x0.float() + s * noise.to(x0.device, torch.float32)
+    s = devices.to_device(sigma, x0.device).to(torch.float32).view(-1, 1, 1)
+    return (1 - s) * x0.float() + s * devices.to_device(noise, x0.device).to(torch.float32)
 
 
 def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, batch: dict,
@@ -372,11 +391,10 @@ def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch
     holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
     dev = x_t.device
     embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    img_ids = flux.image_ids(geometry, dev, embeds.dtype)
-    txt_ids = flux.text_ids(embeds.shape[1], dev, embeds.dtype)
+    img_ids, txt_ids, guidance_t = _conditioning(geometry, embeds, guidance, dev)
+    sigma = devices.to_device(sigma, dev).to(torch.float32).view(-1)
     with devices.autocast(dev, autocast_dtype):
-        v = flux.predict_velocity(transformer, x_t, sigma.to(dev, torch.float32).view(-1), embeds, pooled, img_ids,
-                                  txt_ids, guidance=guidance)
+        v = flux.predict_velocity(transformer, x_t, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance_t)
     return v.float()
 
 

@@ -220,14 +220,14 @@ def dpm2_step(model_output: torch.Tensor, sample: torch.Tensor, sigma: Sigma, si
             raise ValueError("dpm2_step: prev_x0 needs sigma_prev (the sigma at which prev_x0 was predicted)")
         sig_prev = _sigma_tensor(sigma_prev, x, "sigma_prev", torch.float64)
         second = (sig_prev < 1) & (sig_next > 0)  # where the two-step formula is defined
-        if bool(second.any()):
-            safe = lambda s, fill: torch.where(second, s, torch.full_like(s, fill))  # noqa: E731 (no inf/nan)
-            lam = _half_log_snr(safe(sig, 0.5))
-            h = _half_log_snr(safe(sig_next, 0.25)) - lam
-            h_prev = lam - _half_log_snr(safe(sig_prev, 0.75))
-            c_prev = torch.where(second, h / (2 * h_prev), torch.zeros_like(h))  # 1/(2r)
-            c_prev = c_prev.to(torch.float32)
-            d = (1 + c_prev) * x0_hat - c_prev * prev_x0.to(torch.float32)
+        # computed everywhere and masked (no data-dependent branch: no host sync); c_prev = 0 keeps D = x0_hat exactly
+        safe = lambda s, fill: torch.where(second, s, torch.full_like(s, fill))  # noqa: E731 (no inf/nan)
+        lam = _half_log_snr(safe(sig, 0.5))
+        h = _half_log_snr(safe(sig_next, 0.25)) - lam
+        h_prev = lam - _half_log_snr(safe(sig_prev, 0.75))
+        c_prev = torch.where(second, h / (2 * h_prev), torch.zeros_like(h))  # 1/(2r)
+        c_prev = c_prev.to(torch.float32)
+        d = torch.where(second, (1 + c_prev) * x0_hat - c_prev * prev_x0.to(torch.float32), x0_hat)
     x_next = ratio.to(torch.float32) * x + (1 - ratio).to(torch.float32) * d
     x_next = torch.where(sig_next == 0, x0_hat, x_next)
     return x_next, x0_hat

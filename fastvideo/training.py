@@ -911,7 +911,20 @@ def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"reward_{k}": v.nanmean() for k, v in rewards.items() if k != "total"}
 
 
-def rank_mean(values: list[torch.Tensor]) -> torch.Tensor:
-    """Mean of this rank's 0-d metric tensors, averaged over ranks (every rank has the same count)."""
-    local = torch.stack([v.detach().float().cpu() for v in values]).mean()
+def rank_mean(values: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """Mean of this rank's metric values (0-d tensors, or one tensor of them), averaged over ranks (every rank has the
+    same count); one device->host copy."""
+    local = (values if torch.is_tensor(values) else torch.stack(values)).detach().float().cpu().mean()
     return D.all_reduce_sum(local) / D.get_world_size()
+
+
+def to_host(tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A step's metric tensors (each a tensor or a non-empty list of same-shaped tensors, stacked; all on one device) on
+    the CPU in float32 through one device->host copy: one host sync at the end of the step instead of one per value."""
+    stacked = {k: (v if torch.is_tensor(v) else torch.stack(v)).detach() for k, v in tensors.items()
+               if torch.is_tensor(v) or v}  # an empty list is left out
+    if not stacked:
+        return {}
+    sizes = [v.numel() for v in stacked.values()]
+    flat = torch.cat([v.float().reshape(-1) for v in stacked.values()]).cpu()  # all on one device
+    return {k: part.view(v.shape) for (k, v), part in zip(stacked.items(), flat.split(sizes))}
