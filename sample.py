@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fastvideo import flux
     from fastvideo.config import save_config
     from fastvideo.data import EmbeddingDataset
+    from fastvideo.devices import ACCELERATOR_TYPES
+    from fastvideo.memory import auto_decode_batch_size
     from fastvideo.record import image_name, save_png
     from fastvideo.rewards import build_reward, check_reward_prompts
     from fastvideo.seeding import NoiseSource
@@ -85,10 +87,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                  if args.reward else None)
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     model = load_model(args, dist.device, amp_dtype or torch.float32)
-    vae = flux.load_vae(args.pretrained_model_name_or_path, device=dist.device)
+    vae = flux.load_vae(args.pretrained_model_name_or_path, dtype=amp_dtype or torch.float32,
+                        device=dist.device)  # decodes in the compute dtype, as FluxPipeline
     geometry = flux.latent_geometry(vae, args.h, args.w)
+    decode_batch = 0  # the CPU decodes a whole batch per call; a GPU/NPU in calls planned within 4 GiB
+    if dist.device.type in ACCELERATOR_TYPES:
+        decode_batch = auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w,
+                                              amp_dtype or torch.float32, args.batch_size)
     cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
-                                guidance=args.guidance_scale, batch_size=args.batch_size)
+                                guidance=args.guidance_scale, batch_size=args.batch_size,
+                                decode_batch_size=decode_batch)
 
     # ---- 3. this rank's images, in batches: sample -> PNG -> score -------------------------------------------
     prompt_ids, sample_indices, real = evaluation.image_items(n, args.num_images_per_prompt, dist.rank,

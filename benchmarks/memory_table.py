@@ -45,7 +45,7 @@ def main() -> None:
                     rows.append((mode, size, ckpt, offload, flags))
     for mode, size, ckpt, offload, flags in rows:
         extra = [*flags, "--h", str(size), "--w", str(size)]
-        extra += ["--gradient_checkpointing"] if ckpt else []
+        extra += ["--gradient_checkpointing" if ckpt else "--no-gradient_checkpointing"]  # auto: on for full
         extra += ["--use_cpu_offload"] if offload else []
         p = plan(cli.folder, cli.world_size, *extra)
         peak = p.device_peak / GiB

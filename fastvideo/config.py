@@ -134,7 +134,10 @@ class ParallelOptions:
                                choices=("auto", "bf16", "fp32"))
     use_cpu_offload: bool = opt(False, "offload FSDP parameters, gradients and optimizer state to the CPU (needs "
                                        ">= 2 ranks; adds a gloo backend for CPU collectives)")
-    gradient_checkpointing: bool = opt(False, "recompute transformer blocks in backward to save memory")
+    gradient_checkpointing: bool | None = opt(
+        None, "recompute transformer blocks in backward to save activation memory (~1/3 more update compute); unset = "
+        "auto: on for a full fine-tune (--lora_rank 0) on a GPU/NPU, off for LoRA and on the CPU; "
+        "--gradient_checkpointing / --no-gradient_checkpointing choose explicitly")
     compile: bool = opt(False, "torch.compile every transformer block (fused kernels; the first rollout and update "
                                "of each batch size compile, minutes at 12B). See README Performance for when it pays")
     gradient_sync: str = opt(
@@ -161,6 +164,9 @@ class PlanOptions:
                                "model folder's configs, on the meta device: no weights are read), then exit")
     dry_run_world_size: int | None = opt(None, "with --dry_run: plan for this many ranks (default: this job's)")
     dry_run_device_memory_gb: float = opt(80.0, "with --dry_run: memory per device (GiB) to check the plan against")
+    ignore_memory_plan: bool = opt(False, "start even when the per-rank memory plan (--dry_run's peak) exceeds the "
+                                          "device's memory: a warning instead of the error that a GPU/NPU run gets "
+                                          "before any model loads (not checked on the CPU)")
 
 
 @dataclass
@@ -368,7 +374,7 @@ def _add_group(parser: argparse.ArgumentParser, cls: type, help_overrides: dict[
         flag = f"--{f.name}"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         default = (default_overrides or {}).get(f.name, default)
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):  # a switch; "bool | None": unset (None) means auto
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         if "type" not in meta and "nargs" not in meta:
@@ -642,8 +648,7 @@ def validate_sampling(args: argparse.Namespace) -> None:
     _need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
     _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
     _need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
-    _need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = the rollout micro-batch), got "
-                                       f"{args.decode_batch_size}")
+    _need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = auto), got {args.decode_batch_size}")
     S = args.sampling_steps
     _need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
                                           f"got {args.sde_window_size}")

@@ -126,6 +126,20 @@ def max_memory_allocated_gb(device: torch.device | str) -> float:
     return _host_peak_gb()
 
 
+def total_memory_bytes(device: torch.device | str) -> int | None:
+    """Total memory of an accelerator device in bytes (``get_device_properties(...).total_memory`` of torch.cuda /
+    torch.npu): what a run's memory plan must fit in. None for the CPU, whose RAM is shared with everything else."""
+    module = device_module(device)
+    if module is None or not hasattr(module, "get_device_properties"):
+        return None
+    if isinstance(device, torch.device):
+        index = device.index
+    else:  # parsed by hand: torch.device("npu:0") needs torch_npu's registration
+        suffix = str(device).partition(":")[2]
+        index = int(suffix) if suffix else None
+    return int(module.get_device_properties(module.current_device() if index is None else index).total_memory)
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     """Start a new peak for ``max_memory_allocated_gb``: the accelerator allocator's, or on a Linux CPU the process's
     peak RSS (VmHWM, reset through /proc/self/clear_refs; elsewhere a no-op: the max RSS cannot reset)."""

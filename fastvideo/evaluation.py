@@ -130,13 +130,15 @@ def eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ sample.py outputs
-def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int) -> Any:
+def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int,
+               decode_batch_size: int = 0) -> Any:
     """The ``rollout.RolloutConfig`` of FluxPipeline-style sampling: Euler ODE, ``steps`` steps, dynamic shift unless
-    ``shift``, distilled ``guidance``; ``batch_size`` images per transformer call."""
+    ``shift``, distilled ``guidance``; ``batch_size`` images per transformer call, ``decode_batch_size`` latents per
+    VAE call (0 = ``batch_size``)."""
     from fastvideo.rollout import RolloutConfig
 
     return RolloutConfig(height=height, width=width, sampling_steps=steps, sde_type="flow_sde", eta=0.0, shift=shift,
-                         guidance=guidance, batch_size=batch_size)
+                         guidance=guidance, batch_size=batch_size, decode_batch_size=decode_batch_size)
 
 
 def read_sample_dir(path: str | os.PathLike) -> dict[str, Any]:

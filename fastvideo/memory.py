@@ -1,11 +1,13 @@
 """Per-rank memory plan of a training run, computed from the model folder's configs without reading weights.
 
-``--dry_run`` prints it. Model states are counted in bytes from the transformer built on the meta device (with its
-LoRA adapters); activations are measured by running the real diffusers modules on the meta device under a
-dispatch mode that tracks the bytes of live tensors (saved-for-backward tensors, transients, recomputation under
-gradient checkpointing), with scaled-dot-product attention accounted as a flash kernel (the output and a
-log-sum-exp are kept, never the T x T matrix), as on GPUs. The plan is the persistent states plus the largest
-phase (rollout, decode, train).
+``--dry_run`` prints it; every GPU/NPU run checks it against the device's memory before loading any model
+(``check_plan_fits``, via ``training.check_memory_plan``); the defaults chosen to fit are resolved here too
+(``resolve_gradient_checkpointing``, ``resolve_decode_batch_size``). Model states are counted in bytes from the
+transformer built on the meta device (with its LoRA adapters); activations are measured by running the real diffusers
+modules on the meta device under a dispatch mode that tracks the bytes of live tensors (saved-for-backward tensors,
+transients, recomputation under gradient checkpointing), with scaled-dot-product attention accounted as a flash kernel
+(the output and a log-sum-exp are kept, never the T x T matrix), as on GPUs. The plan is the persistent states plus
+the largest phase (rollout, decode, train).
 
 What it does not see: the caching allocator's fragmentation (GPU), communication buffers of NCCL, the CUDA
 context (~0.5-1 GB per GPU) and the Python runtime; the README's "what fits" table leaves headroom for them.
@@ -66,6 +68,17 @@ class MemoryPlan:
     @property
     def host_per_rank(self) -> float:
         return sum(i.host for i in self.items)
+
+    def summary(self, device_memory_bytes: float | None = None) -> str:
+        """One line: the peak per rank, its phase, and (given the device's memory) whether it fits."""
+        peak = self.device_peak / GiB
+        line = (f"memory plan: {peak:.1f} GiB peak per rank (persistent + {self.peak_phase}; {self.facts['mode']}, "
+                f"world size {self.facts['world_size']}, compute {self.facts['compute_dtype']})")
+        if device_memory_bytes:
+            memory = device_memory_bytes / GiB
+            verdict = "fits" if self.device_peak <= device_memory_bytes else "does NOT fit"
+            line += f" vs {memory:.1f} GiB per device: {verdict} ({memory - peak:+.1f} GiB headroom)"
+        return line
 
     def format(self, device_memory_gb: float | None = None) -> str:
         """The plan as a text table (GiB per rank)."""
@@ -242,6 +255,94 @@ def _param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def _vae_config(model_path: str | os.PathLike) -> dict:
+    """The VAE's config.json of a FLUX folder (no weights read)."""
+    from fastvideo import flux
+
+    return json.loads((flux.check_model_folder(model_path, ("vae",)) / "vae" / "config.json").read_text())
+
+
+# ------------------------------------------------------------------------------------ defaults that fit
+DECODE_BUDGET_BYTES = 4 * GiB  # the auto --decode_batch_size keeps one VAE decode call's planned peak below this
+
+
+def _is_accelerator(device_type: str) -> bool:
+    from fastvideo.devices import ACCELERATOR_TYPES
+
+    return device_type in ACCELERATOR_TYPES
+
+
+def resolve_gradient_checkpointing(requested: bool | None, lora_rank: int, device_type: str) -> bool:
+    """--gradient_checkpointing as a run on ``device_type`` uses it: as given when set; unset (auto) = on for a full
+    fine-tune (``lora_rank`` 0) on a GPU/NPU, where FLUX.1-dev's activations alone outgrow 80 GB without it, and off
+    for LoRA and on the CPU (where the recomputation would only cost time)."""
+    if requested is not None:
+        return bool(requested)
+    return lora_rank == 0 and _is_accelerator(device_type)
+
+
+def auto_decode_batch_size(model_path: str | os.PathLike, height: int, width: int, dtype: torch.dtype,
+                           max_batch: int, budget: int = DECODE_BUDGET_BYTES) -> int:
+    """The largest number of latents (1 to ``max_batch``) one VAE decode call of ``height`` x ``width`` images in
+    ``dtype`` takes with its planned peak (``vae_decode_bytes``) within ``budget``; at least 1 even when a single
+    image exceeds it. The peak is linear in the batch: one trace at batch 1 gives the candidate, one more checks it."""
+    from fastvideo import flux
+
+    config = _vae_config(model_path)
+    geometry = flux.latent_geometry(model_path, height, width)
+
+    def peak(batch: int) -> int:
+        return vae_decode_bytes(config, batch, geometry.latent_h, geometry.latent_w, dtype)
+
+    batch = max(1, min(max_batch, budget // max(peak(1), 1)))
+    while batch > 1 and peak(batch) > budget:
+        batch -= 1
+    return batch
+
+
+def resolve_decode_batch_size(args: argparse.Namespace, device_type: str) -> int:
+    """--decode_batch_size as a run on ``device_type`` uses it: as given when > 0; 0 (auto) = on a GPU/NPU
+    ``auto_decode_batch_size`` in the compute dtype (at most --rollout_batch_size, the largest decode call), on the CPU
+    0 (a whole rollout micro-batch per call). Idempotent: a resolved value resolves to itself."""
+    if args.decode_batch_size or not _is_accelerator(device_type):
+        return args.decode_batch_size
+    from fastvideo.training import compute_dtype
+
+    dtype = compute_dtype(args.mixed_precision, torch.device(device_type)) or torch.float32
+    return auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w, dtype, args.rollout_batch_size)
+
+
+def check_plan_fits(plan: MemoryPlan, device_type: str, device_memory_bytes: int | None, *,
+                    ignore: bool = False) -> str | None:
+    """The gate before any model loads: on a GPU/NPU, the plan's one-line summary against the device's memory when it
+    fits; a ValueError naming the fixes when it does not (with ``ignore``, --ignore_memory_plan: the same text as a
+    warning line). None on the CPU (not checked: host RAM is shared with the OS, other jobs and swap; --dry_run
+    prints the plan there)."""
+    if not _is_accelerator(device_type) or not device_memory_bytes:
+        return None
+    summary = plan.summary(device_memory_bytes)
+    if plan.device_peak <= device_memory_bytes:
+        return summary
+    f = plan.facts
+    fixes = []
+    if not f.get("gradient_checkpointing"):
+        fixes.append("--gradient_checkpointing")
+    if not f.get("cpu_offload"):
+        fixes.append("--use_cpu_offload (with >= 2 ranks)")
+    fixes.append(f"a smaller --train_batch_size ({f['train_batch_size']} images per micro-batch now) / "
+                 f"--rollout_batch_size ({f.get('rollout_batch_size')}) / --decode_batch_size "
+                 f"({f.get('decode_batch_size')})")
+    fixes.append("more ranks (the model states are sharded over them)")
+    if f.get("trainable", 0) == f.get("params"):
+        fixes.append("LoRA (--lora_rank 64)")
+    message = (f"{summary}. Fix it before the models load: {'; '.join(fixes)}. `--dry_run` (with --device "
+               f"{device_type} and --dry_run_world_size {f['world_size']}) lists the plan item by item; "
+               "--ignore_memory_plan starts anyway")
+    if ignore:
+        return f"warning: --ignore_memory_plan: {message}"
+    raise ValueError(message)
+
+
 # ------------------------------------------------------------------------------------------------ the plan
 def _text_tokens(args: argparse.Namespace) -> int:
     """T5 tokens per prompt: the embeddings' ``max_sequence_length``, or FLUX's 512 when there are none yet."""
@@ -261,13 +362,16 @@ def _shard_size(strategy: str, world: int) -> int:
     return world
 
 
-def plan_grpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str) -> MemoryPlan:
+def plan_grpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str,
+              *, compare_checkpointing: bool = True) -> MemoryPlan:
     """The memory plan of ``train_grpo_flux.py`` with these (validated) flags on ``world_size`` ranks."""
     return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
-                 snapshot=False, samples=counts["samples_per_rank"], scored=True)
+                 snapshot=False, samples=counts["samples_per_rank"], scored=True,
+                 compare_checkpointing=compare_checkpointing)
 
 
-def plan_dpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str) -> MemoryPlan:
+def plan_dpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str,
+             *, compare_checkpointing: bool = True) -> MemoryPlan:
     """The memory plan of ``train_dpo.py`` (online or offline) with these (validated) flags on ``world_size`` ranks:
     micro-batches of 2 x --train_batch_size images, the reference pass always, the fp32 reference snapshot with
     --ref_update_interval; online: the rollout of this rank's samples and the step's gathered clean latents (host);
@@ -276,24 +380,29 @@ def plan_dpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, 
     samples = counts["samples_per_rank"] if online else counts["pairs_per_rank"]
     gathered = counts["samples_per_step"] if online else 0
     return _plan(args, world_size, device_type, micro_images=2 * args.train_batch_size, reference=True,
-                 snapshot=args.ref_update_interval > 0, samples=samples, scored=online, gathered_latents=gathered)
+                 snapshot=args.ref_update_interval > 0, samples=samples, scored=online, gathered_latents=gathered,
+                 compare_checkpointing=compare_checkpointing)
 
 
-def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str) -> MemoryPlan:
+def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str,
+             *, compare_checkpointing: bool = True) -> MemoryPlan:
     """The memory plan of ``train_nft.py`` with these (validated) flags on ``world_size`` ranks: the old policy (a
     second fp32 adapter, or a second sharded fp32 transformer for a full fine-tune) and its no-grad forward next to
     each trained one, the reference forward with --kl_beta > 0, an ODE rollout of this rank's samples."""
     return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
-                 snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=True)
+                 snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=True,
+                 compare_checkpointing=compare_checkpointing)
 
 
 def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_images: int, reference: bool,
-          snapshot: bool, samples: int, scored: bool, gathered_latents: int = 0, old_policy: bool = False
-          ) -> MemoryPlan:
+          snapshot: bool, samples: int, scored: bool, gathered_latents: int = 0, old_policy: bool = False,
+          compare_checkpointing: bool = True) -> MemoryPlan:
     """The plan of a trainer whose update runs ``micro_images`` images per forward/backward (+ a no-grad reference
     forward if ``reference``; ``snapshot``: the reference is a swapped-in fp32 copy of the trained weights; with
     ``old_policy`` a no-grad old-policy forward and its fp32 weights), whose rollout samples ``samples`` images per
-    rank, scored by --reward if ``scored``."""
+    rank, scored by --reward if ``scored``. --gradient_checkpointing and --decode_batch_size are planned as the run
+    resolves them on ``device_type``; ``compare_checkpointing`` also traces the training activations with the other
+    checkpointing choice (a "not used" line; the start-up gate skips it, a second each at FLUX.1-dev's widths)."""
     from fastvideo import flux, lora
     from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
     from fastvideo.training import compute_dtype
@@ -370,16 +479,17 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     # activations, measured on the meta device in the compute dtype
     sim = model if cdt == torch.float32 else _cast_quietly(model, cdt)
     micro = micro_images
+    used = resolve_gradient_checkpointing(args.gradient_checkpointing, args.lora_rank, device_type)
     act = {}
-    for ckpt in (False, True):  # both, so the plan shows what --gradient_checkpointing changes
+    for ckpt in (used, not used) if compare_checkpointing else (used,):  # both: what --gradient_checkpointing changes
         sim.enable_gradient_checkpointing() if ckpt else sim.disable_gradient_checkpointing()
         act[ckpt] = transformer_activation_bytes(sim, micro, Ls, Ts, cdt, train=True)
-    used = bool(args.gradient_checkpointing)
     items.append(PlanItem(f"activations, micro-batch of {micro}", act[used], phase="train",
                           note=("with gradient checkpointing" if used else "no gradient checkpointing")
                           + (f"; 1/{sp} of the sequence (--sp_size)" if sp > 1 else "")))
-    items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
-                          phase="not used", note="not counted"))
+    if compare_checkpointing:
+        items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
+                              phase="not used", note="not counted"))
     if reference or old_policy:
         no_grad = transformer_activation_bytes(sim, micro, Ls, Ts, cdt, train=False)
         name = " / ".join(n for n, on in (("reference", reference), ("old-policy", old_policy)) if on)
@@ -404,19 +514,19 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
     items.append(PlanItem("text embeddings of this rank's samples (fp32)", 4 * B * (T * joint + 768), 0.0,
                           "persistent"))
-    vae_config = json.loads((flux.check_model_folder(args.pretrained_model_name_or_path, ("vae",)) / "vae"
-                             / "config.json").read_text())
+    vae_config = _vae_config(args.pretrained_model_name_or_path)
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
         vae_params = _param_count(AutoencoderKL.from_config(
             {k: v for k, v in vae_config.items() if not k.startswith("_")}))
-    items.append(PlanItem("VAE (fp32, frozen)", 4 * vae_params, phase="persistent",
+    short = "bf16" if cdt == torch.bfloat16 else "fp32"  # the VAE is loaded and decodes in the compute dtype
+    items.append(PlanItem(f"VAE ({short}, frozen)", c * vae_params, phase="persistent",
                           note=f"{vae_params / 1e6:.1f}M params"))
-    db = min(getattr(args, "decode_batch_size", 0) or rb, rb)  # --decode_batch_size (0 = the rollout micro-batch)
+    db = min(resolve_decode_batch_size(args, device_type) or rb, rb)  # 0 = the rollout micro-batch (CPU auto)
     items.append(PlanItem(f"VAE decode, batch of {db}", vae_decode_bytes(vae_config, db, geometry.latent_h,
-                                                                        geometry.latent_w, torch.float32),
-                          phase="decode", note="fp32, no grad"))
+                                                                        geometry.latent_w, cdt),
+                          phase="decode", note=f"{short}, no grad"))
     from fastvideo.rewards import parse_reward_spec
 
     for name, _ in parse_reward_spec(args.reward) if scored else []:
@@ -430,5 +540,6 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     errors, warnings_ = memory_flag_problems(world, device_type, args.use_cpu_offload, amp is not None)
     facts = dict(device_type=device_type, world_size=world, shard_size=shard, params=n_all, trainable=n_train,
                  mode=f"LoRA rank {args.lora_rank}" if is_lora else "full fine-tune", compute_dtype=str(cdt)[6:],
-                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync, sp_size=sp)
+                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync, sp_size=sp,
+                 gradient_checkpointing=used, cpu_offload=offload, rollout_batch_size=rb, decode_batch_size=db)
     return MemoryPlan(items, facts, errors + warnings_)

@@ -18,7 +18,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import flops, flux, lora, parallel, preemption, weights
+from fastvideo import devices, flops, flux, lora, parallel, preemption, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -230,8 +230,51 @@ def dry_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, in
     counts = with_sp_counts(validate(args, D.data_parallel_size(args.sp_size, world)), args.sp_size)
     if rank != 0:
         return
+    resolve_device_defaults(args, device_type)  # as the run on that device type would
     print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
+
+
+def resolve_device_defaults(args: argparse.Namespace, device_type: str) -> None:
+    """Resolve, in place and once, the flags whose default depends on the device type: --gradient_checkpointing
+    (auto: on for a full fine-tune on a GPU/NPU) and --decode_batch_size (auto: decode calls planned within 4 GiB on a
+    GPU/NPU, a whole rollout micro-batch on the CPU); see ``memory.resolve_gradient_checkpointing`` /
+    ``memory.resolve_decode_batch_size``. Called before the memory plan, so that the plan, ``build_policy``,
+    ``rollout_config`` and config.json all see the resolved values (``start_run``, and ``dry_run`` for its device)."""
+    from fastvideo import memory
+
+    args.gradient_checkpointing = memory.resolve_gradient_checkpointing(args.gradient_checkpointing, args.lora_rank,
+                                                                        device_type)
+    args.decode_batch_size = memory.resolve_decode_batch_size(args, device_type)
+
+
+def check_memory_plan(args: argparse.Namespace, counts: dict[str, int], plan: Callable[..., Any], world_size: int,
+                      device_type: str, device_memory_bytes: int | None) -> None:
+    """The memory gate before any model loads, a collective: on a GPU/NPU rank 0 computes the per-rank plan
+    (``plan(args, counts, world_size, device_type)``, what --dry_run prints) and prints its one-line summary against
+    the smallest ``device_memory_bytes`` of the job's ranks; every rank then raises the same ValueError naming the
+    fixes when it does not fit (--ignore_memory_plan: a warning instead; ``memory.check_plan_fits``). Skipped on the
+    CPU. A plan that cannot be computed is reported, not enforced: it is an estimate, never a reason to stop a run."""
+    from fastvideo import memory
+
+    if device_type not in devices.ACCELERATOR_TYPES:
+        return
+    result: Any = None
+    if D.is_main_process():
+        try:
+            result = plan(args, counts, world_size, device_type, compare_checkpointing=False)
+        except Exception as err:  # noqa: BLE001 (any planner failure: warn below, on rank 0)
+            result = f"{type(err).__name__}: {err}"
+    gathered = D.all_gather_object((result, device_memory_bytes))
+    result = gathered[0][0]
+    sizes = [size for _, size in gathered if size]
+    if isinstance(result, str):
+        if D.is_main_process():
+            print(f"warning: the memory plan could not be computed ({result}); the run starts unchecked", flush=True)
+        return
+    line = memory.check_plan_fits(result, device_type, min(sizes) if sizes else None, ignore=args.ignore_memory_plan)
+    if line and D.is_main_process():
+        print(line, flush=True)
 
 
 def with_sp_counts(counts: dict[str, int], sp_size: int) -> dict[str, int]:
@@ -418,7 +461,9 @@ REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscor
 
 
 def rollout_config(args: argparse.Namespace) -> Any:
-    """The batched sampler's settings from the sampling flags (shared by every trainer that samples)."""
+    """The batched sampler's settings from the sampling flags (shared by every trainer that samples); the decode
+    micro-batch is --decode_batch_size as ``resolve_device_defaults`` resolved it (``start_run``; 0 = one call per
+    rollout micro-batch, the CPU's auto)."""
     from fastvideo.rollout import RolloutConfig
 
     return RolloutConfig(height=args.h, width=args.w, sampling_steps=args.sampling_steps, sde_type=args.sde_type,
@@ -525,7 +570,7 @@ class Run:
                     old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
         paths first; also loaded without ``reward`` when --eval_prompts is set), policy (+ reference, EMA),
-        optimizer, LR schedule (``optimizer_steps`` long) and VAE."""
+        optimizer, LR schedule (``optimizer_steps`` long) and VAE (in the compute dtype: bf16 on a GPU/NPU)."""
         from fastvideo.config import save_config
         from fastvideo.logging import current_memory_gb
         from fastvideo.rewards import build_reward
@@ -542,7 +587,8 @@ class Run:
         self.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, self.policy.is_lora) == "backward"
         self.optimizer = build_optimizer(self.policy, args)  # right after sharding (FSDP2 swaps in DTensors)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, optimizer_steps)
-        self.vae = flux.load_vae(args.pretrained_model_name_or_path, device=self.device)
+        self.vae = flux.load_vae(args.pretrained_model_name_or_path, dtype=self.amp_dtype or torch.float32,
+                                 device=self.device)  # decodes in the compute dtype, as FluxPipeline
         self.flop_meter = flops.FlopMeter(self.dist.sp_size)  # model FLOPs per phase, for tflops_* and mfu
         old = self.policy.old.old_model if self.policy.old is not None else None
         for model in (self.policy.model, self.policy.frozen_ref, old):
@@ -847,17 +893,21 @@ def write_plots(out: Path) -> Path | str:
         return f"not written ({err})"
 
 
-def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> Run:
+def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]],
+              plan: Callable[..., Any] | None = None) -> Run:
     """The checks before anything expensive, on every rank: the flags (``validate`` -> batch arithmetic, printed by
-    rank 0), memory flags, a writable --output_dir (where interrupted saves are cleaned up), the resume checkpoint
-    (complete, undamaged, same algorithm and config fingerprint), --record_dir / --replay_dir
-    (``record.open_alignment``); then seeds and the noise source (recording or replaying). The trainer checks its own
-    inputs (data, reward spec) next, before ``Run.load_models``."""
+    rank 0; then the device-dependent defaults, ``resolve_device_defaults``), memory flags, a writable --output_dir
+    (where interrupted saves are cleaned up), the resume checkpoint (complete, undamaged, same algorithm and config
+    fingerprint), the memory plan on a GPU/NPU (``check_memory_plan`` with the trainer's ``plan``, e.g.
+    ``memory.plan_grpo``; None: no plan gate), --record_dir / --replay_dir (``record.open_alignment``); then seeds and
+    the noise source (recording or replaying). The trainer checks its own inputs (data, reward spec) next, before
+    ``Run.load_models``."""
     from fastvideo import record
     from fastvideo.seeding import NoiseSource, seed_all
 
     dist = D.set_sequence_parallel(args.sp_size)  # ValueError on every rank when it does not divide the ranks
     counts = with_sp_counts(validate(args, dist.dp_size), dist.sp_size)  # samples split over the dp replicas
+    resolve_device_defaults(args, dist.device.type)
     check_memory_flags(args, dist.world_size, dist.device)
     config = run_config(args, counts)
     check_output_dir(args.output_dir)
@@ -867,6 +917,9 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     if resume_dir is not None:
         start_step = check_resume_step(resume_dir, args.max_train_steps)
         check_resume_checkpoint(resume_dir, config)
+    if plan is not None:
+        check_memory_plan(args, counts, plan, dist.world_size, dist.device.type,
+                          devices.total_memory_bytes(dist.device))
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     noise, recorder, replay = record.open_alignment(args, config, dist, NoiseSource(args.seed, device=args.noise_device),
                                                     amp_dtype, start_step, run_identity(config)["config_fingerprint"])

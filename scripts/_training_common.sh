@@ -71,6 +71,9 @@ real_data() {
 # kill) reaches it rather than ending a bash that would leave it behind; it forwards the signal to its workers, which
 # finish the current step, checkpoint and exit 0, and SIGKILLs them only after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
 # (SHUTDOWN_TIMEOUT, default 900; torchrun's own default, 30 s, is too short for a FLUX step and a checkpoint).
+# PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (CUDA's caching allocator grows segments in place
+# instead of leaving fragments of fixed-size ones: less memory lost between the rollout, decode and update phases);
+# a value you set, or a PYTORCH_ALLOC_CONF (torch's newer name), is left as it is.
 launch() {
   local script=$1
   shift
@@ -78,6 +81,9 @@ launch() {
     exec "$PYTHON" "$script" --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
   fi
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-900}
+  if [ -z "${PYTORCH_ALLOC_CONF:-}" ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  fi
   exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" \
     --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$script" "$@"
 }

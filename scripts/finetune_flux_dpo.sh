@@ -11,6 +11,7 @@
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
+#      PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or PYTORCH_ALLOC_CONF is set),
 #      PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE, RECIPE (with MODEL_PATH: the --config
 #      recipe, default scripts/recipes/dpo.yaml or dpo_offline.yaml; relative to the repo root),
 #      DEMO (toyworld | jpeg), TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (held-out manifest).

@@ -9,6 +9,7 @@
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
+#      PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or PYTORCH_ALLOC_CONF is set),
 #      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
 #      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch instead of building it from the shipped weights),
 #      EVAL_JSON (toy world: held-out embeddings manifest), RECIPE (with MODEL_PATH: the --config recipe, default

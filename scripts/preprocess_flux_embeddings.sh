@@ -4,7 +4,8 @@
 # Without MODEL_PATH it builds the tiny FLUX folder in $DATA_DIR/tiny-flux and encodes assets/prompts.txt.
 # Env: MODEL_PATH, PROMPT_FILE (assets/prompts.txt), DATA_DIR (data), DATA_JSON (output manifest path),
 #      NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python),
-#      MAX_SEQUENCE_LENGTH (tiny default only: 64). Extra args go to the script.
+#      MAX_SEQUENCE_LENGTH (tiny default only: 64), PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or
+#      PYTORCH_ALLOC_CONF is set). Extra args go to the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -27,6 +28,9 @@ else
   NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 fi
 OUT_DIR=$(dirname "$DATA_JSON")
+if [ -z "${PYTORCH_ALLOC_CONF:-}" ]; then  # as the training launchers: kept when set (either name)
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+fi
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

@@ -119,22 +119,43 @@ def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
     assert {k: getattr(args, k) for k in expected} == expected
 
 
-def launcher_argv(tmp_path: Path, script: str, **env_vars: str) -> list[str]:
-    """What ``MODEL_PATH=... bash script`` hands to torchrun: a stub PYTHON records its arguments."""
-    record = tmp_path / "argv.json"
+ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def launcher_argv(tmp_path: Path, script: str, **env_vars: str | None) -> list[str]:
+    """What ``MODEL_PATH=... bash script`` hands to torchrun: a stub PYTHON records its arguments (argv.json) and the
+    allocator variables it sees (env.json). An ``env_vars`` value of None removes that variable."""
+    record, seen = tmp_path / "argv.json", tmp_path / "env.json"
     stub = tmp_path / "python"
-    stub.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    stub.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+                    f"open({str(seen)!r}, 'w').write(json.dumps({{k: os.environ.get(k) for k in {ALLOC_VARS!r}}}))\n")
     stub.chmod(0o755)
     manifest = tmp_path / "data" / "embeddings" / "manifest.json"
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text("{}")
     env = {**os.environ, "PYTHON": str(stub), "MODEL_PATH": str(tmp_path / "FLUX.1-dev"),
            "DATA_DIR": str(tmp_path / "data"), **env_vars}
+    env = {k: v for k, v in env.items() if v is not None}
     proc = subprocess.run(["bash", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(record.read_text())
     assert argv[:2] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in argv
     return argv
+
+
+@pytest.mark.parametrize("script", [*LAUNCHERS, "scripts/preprocess_flux_embeddings.sh"])
+def test_launchers_default_to_expandable_segments_unless_set(tmp_path, script):
+    """Every launcher that starts torchrun exports PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when the user set
+    neither it nor PYTORCH_ALLOC_CONF (torch's newer name), and leaves a user's value of either alone."""
+    def seen(**env_vars: str | None) -> dict[str, str | None]:
+        launcher_argv(tmp_path, script, **{**dict.fromkeys(ALLOC_VARS), **env_vars})
+        return json.loads((tmp_path / "env.json").read_text())
+
+    assert seen() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": None}
+    mine = "max_split_size_mb:512"
+    assert seen(PYTORCH_CUDA_ALLOC_CONF=mine) == {"PYTORCH_CUDA_ALLOC_CONF": mine, "PYTORCH_ALLOC_CONF": None}
+    assert seen(PYTORCH_ALLOC_CONF=mine) == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": mine}
 
 
 def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):

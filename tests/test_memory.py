@@ -267,7 +267,7 @@ def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
     for item in ("parameters (fp32 master, sharded)", "gradients (fp32, sharded)", "AdamW state", "EMA (fp32",
                  "gathered parameters", "activations, micro-batch of 2", "(the same without gradient checkpointing)",
                  "rollout forward (no grad)", "rollout buffers: latents B x (S+1) x L x C", "text embeddings",
-                 "VAE (fp32, frozen)", "VAE decode", "reward model hpsv2"):
+                 "VAE (bf16, frozen)", "VAE decode, batch of 4", "bf16, no grad", "reward model hpsv2"):
         assert item in proc.stdout, item
     with_kl = run_single(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(folder), "--device", "cuda",
                           "--output_dir", str(tmp_path / "out"), *RECIPE, "--kl_beta", "0.04", "--dry_run",
