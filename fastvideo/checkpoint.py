@@ -146,7 +146,7 @@ def clean_interrupted_saves(output_dir: str | Path) -> list[Path]:
         if removed:
             print(f"removed {len(removed)} interrupted save(s) in {root}: {', '.join(p.name for p in removed)}",
                   flush=True)
-    distributed.barrier()
+    distributed.store_barrier("clean_interrupted_saves")  # rank 0 may be deleting large folders
     return removed
 
 
@@ -169,7 +169,7 @@ def prune_checkpoints(output_dir: str | Path, total_limit: int | None,
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-    distributed.barrier()
+    distributed.store_barrier("prune_checkpoints")  # rank 0 may be deleting a 100+ GB checkpoint
     return removed
 
 
@@ -232,7 +232,7 @@ def _fail_together(error: BaseException | None, tmp: Path, ckpt_dir: Path, neede
         return
     if distributed.is_main_process():
         shutil.rmtree(tmp, ignore_errors=True)
-    distributed.barrier()
+    distributed.store_barrier("save_failed")
     if any(e[2] for _, e in failed):
         raise _no_space_error(ckpt_dir, needed, _free_bytes(ckpt_dir.parent)) from error
     rank, (name, text, _) = failed[0]
@@ -350,7 +350,7 @@ def save_checkpoint(
         _fsync_dir(ckpt_dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    distributed.barrier()
+    distributed.store_barrier("save_checkpoint")  # rank 0 renamed it (and deleted a re-saved step's old copy)
     return ckpt_dir
 
 

@@ -35,7 +35,11 @@ class ModelOptions:
     output_dir: str = opt("outputs/grpo", "run folder: config.json, metrics.jsonl, samples/, checkpoints/, final/")
     device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
     seed: int = opt(42, "run seed; all noise derives from (seed, step, prompt id, sample index, purpose)")
-    deterministic: bool = opt(False, "use deterministic kernels (slower on GPU)")
+    deterministic: bool = opt(False, "use deterministic kernels and full-float32 math (slower on GPU: "
+                                     "deterministic algorithms, cuBLAS workspace, no TF32/HF32; README Determinism). "
+                                     "Uninitialised memory is not filled (torch's fill_uninitialized_memory is turned "
+                                     "off: filling would write every torch.empty, e.g. each FSDP all-gather buffer, "
+                                     "and this code reads no memory before writing it)")
     noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
 
 
@@ -56,8 +60,11 @@ class SamplingOptions:
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
     rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
-    decode_batch_size: int = opt(0, "latents per VAE decode call (0 = a whole rollout micro-batch); lower it when the "
-                                    "decode, not the transformer, runs out of memory (the images do not change)")
+    decode_batch_size: int = opt(0, "latents per VAE decode call (the VAE decodes in the compute dtype); 0 = auto: on "
+                                    "a GPU/NPU the largest batch whose planned decode peak is <= 4 GiB (at most "
+                                    "--rollout_batch_size; 2 at 1024^2 in bf16), on the CPU a whole rollout "
+                                    "micro-batch; lower it when the decode, not the transformer, runs out of memory "
+                                    "(the images do not change)")
     last_step: str = opt(
         "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
         "code; chosen by measurement on the demo, see README) | ode = the deterministic Euler step, which is exactly "
@@ -156,6 +163,9 @@ class ParallelOptions:
                                          "flash | _native_flash | _native_cudnn | _native_npu | sage | ... (any "
                                          "diffusers AttentionBackendName); an unavailable one falls back to native "
                                          "with one warning (always on a CPU job)")
+    dist_timeout_minutes: float = opt(30.0, "minutes a collective (NCCL/HCCL/gloo) may wait for a peer before the "
+                                            "job fails; waits on rank 0's file writes (export, checkpoint renames) "
+                                            "go through the TCP store and are not bound by it", type=float)
 
 
 @dataclass
@@ -277,6 +287,10 @@ class CheckpointOptions:
     checkpointing_steps: int = opt(100, "save the full training state every N training steps (and at the end)")
     checkpoints_total_limit: int | None = opt(None, "keep only the newest N checkpoints")
     resume_from: str | None = opt(None, "'latest' (newest in OUTPUT_DIR/checkpoints) or a checkpoint folder")
+    export_dtype: str = opt("auto", "dtype of the OUTPUT_DIR/final export (full transformer or LoRA): auto = the "
+                                    "base model's stored dtype (bf16 for FLUX.1-dev: 2 bytes/param, 24 GB) | bf16 | "
+                                    "fp16 | fp32 (the fp32 master weights: 4 bytes/param, 48 GB)",
+                            choices=("auto", "bf16", "fp16", "fp32"))
 
 
 @dataclass
@@ -551,6 +565,7 @@ def check_parallel_inputs(args: argparse.Namespace) -> None:
 
     flux.check_attention_backend(args.attention_backend)
     _need(args.peak_tflops >= 0, f"--peak_tflops must be >= 0 (0 = auto), got {args.peak_tflops}")
+    _need(args.dist_timeout_minutes > 0, f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
     _need(args.sp_size >= 1, f"--sp_size must be >= 1 (1 = no sequence parallelism), got {args.sp_size}")
     if args.sp_size == 1:
         return

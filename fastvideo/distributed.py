@@ -109,16 +109,39 @@ def launch_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: str | None = None, timeout_minutes: int = 30,
+_VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def check_local_rank(kind: str, local_rank: int) -> None:
+    """ValueError naming the fix when torchrun's ``LOCAL_RANK`` has no device of type ``kind`` to run on (more
+    processes per node than visible devices), before ``set_device`` fails with an opaque "invalid device ordinal"."""
+    if kind == "cpu":
+        return
+    count = int(getattr(torch, kind).device_count())
+    if 0 <= local_rank < count:
+        return
+    env = _VISIBLE_DEVICES_ENV.get(kind, "")
+    visible = os.environ.get(env)
+    shown = f"{env}={visible}" if visible is not None else f"{env} is not set"
+    raise ValueError(f"LOCAL_RANK {local_rank} but only {count} {kind.upper()} device{'s' * (count != 1)} "
+                     f"{'are' if count != 1 else 'is'} visible ({shown}): launch at most {count} process"
+                     f"{'es' * (count != 1)} per node with torchrun --nproc_per_node, or make more devices visible")
+
+
+def init_distributed(device: str | None = None, timeout_minutes: float = 30,
                      cpu_collectives: bool = False) -> DistInfo:
     """Initialise from torchrun's environment (world size 1 without it) and pick the device.
 
-    ``cpu_collectives`` adds a gloo backend for CPU tensors beside NCCL/HCCL (pass ``--use_cpu_offload``).
+    ``timeout_minutes`` (``--dist_timeout_minutes``) is how long a collective may wait for a peer before the job
+    fails (NCCL/HCCL/gloo watchdog). ``cpu_collectives`` adds a gloo backend for CPU tensors beside NCCL/HCCL (pass
+    ``--use_cpu_offload``). ValueError when ``LOCAL_RANK`` exceeds the visible devices (``check_local_rank``).
     Idempotent: a second call returns the first call's answer.
     """
     global _INFO
     if _INFO is not None:
         return _INFO
+    if not timeout_minutes > 0:
+        raise ValueError(f"--dist_timeout_minutes must be > 0, got {timeout_minutes}")
     rank, world_size = launch_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     kind = pick_device_type(device)
@@ -126,6 +149,7 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 30,
     if kind == "cpu":
         dev = torch.device("cpu")
     else:
+        check_local_rank(kind, local_rank)
         dev = torch.device(kind, local_rank)
         getattr(torch, kind).set_device(dev)
     if world_size > 1 and not dist.is_initialized():
@@ -204,26 +228,20 @@ def data_parallel_size(sp_size: int, world_size: int) -> int:
 def set_sequence_parallel(sp_size: int) -> DistInfo:
     """Group consecutive ranks into sequence-parallel groups of ``sp_size`` (``info()`` then reports dp/sp ranks);
     ValueError naming the fix when the world size does not divide. Call once, after ``init_distributed``."""
-    global _INFO, _SP_MESH
+    global _INFO
     current = info()
     data_parallel_size(sp_size, current.world_size)
     if sp_size != current.sp_size:
         _INFO = dataclasses.replace(current, sp_size=sp_size)
-        _SP_MESH = None
     return _INFO
-
-
-_SP_MESH = None
 
 
 def sequence_parallel_mesh():
     """The ``("dp", "ring", "ulysses")`` DeviceMesh of shape ``(dp, 1, sp)`` that diffusers' ContextParallelConfig
-    takes (it needs the "ring" and "ulysses" dims by name; each rank's Ulysses group is its SP group). Created once."""
-    global _SP_MESH
-    if _SP_MESH is None:
-        i = info()
-        _SP_MESH = device_mesh((i.dp_size, 1, i.sp_size), ("dp", "ring", "ulysses"))
-    return _SP_MESH
+    takes (it needs the "ring" and "ulysses" dims by name; each rank's Ulysses group is its SP group); one per run
+    (``device_mesh``'s cache)."""
+    i = info()
+    return device_mesh((i.dp_size, 1, i.sp_size), ("dp", "ring", "ulysses"))
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -258,17 +276,66 @@ def all_reduce_max(value: float) -> float:
     return max(all_gather_object(value))
 
 
+_MESHES: dict[tuple, Any] = {}
+
+
 def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None):
-    """A DeviceMesh over all ranks (1-D by default, or ``shape``/``names`` for hybrid sharding)."""
+    """A DeviceMesh over all ranks (1-D by default, or ``shape``/``names`` for hybrid sharding), created once per
+    (device type, shape, names) for the whole run: every ``init_device_mesh`` builds new process groups (NCCL
+    communicators, each with its own buffers), and the policy, the frozen reference and the old policy are sharded
+    alike. ``cleanup`` forgets them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dev_type = info().device.type
     if shape is None:
         shape, names = (get_world_size(),), ("dp",)
-    return init_device_mesh(dev_type, shape, mesh_dim_names=names)
+    key = (dev_type, tuple(shape), tuple(names) if names is not None else None)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(dev_type, tuple(shape), mesh_dim_names=key[2])
+    return _MESHES[key]
 
 
 _FAILED_KEY = "fastvideo/failed"
+STORE_BARRIER_MINUTES = 240.0  # store_barrier's backstop: a dead peer ends the job through torchrun/fail_fast first
+_STORE_BARRIERS: dict[str, int] = {}
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed (``fail_fast`` published its error) while this one waited for it in ``store_barrier``."""
+
+
+def store_barrier(name: str, timeout_minutes: float = STORE_BARRIER_MINUTES, poll_seconds: float = 1.0) -> None:
+    """Wait until every rank got here, through the job's TCP store instead of a collective.
+
+    For waits on one rank's file-system work (rank 0 writing a 24-48 GB export, renaming or deleting checkpoints):
+    a ``dist.barrier()`` there is an NCCL collective that the waiting ranks abort after ``--dist_timeout_minutes``
+    however healthy the writer is. Here each rank adds 1 to a key and polls it (first every 10 ms, backing off to
+    ``poll_seconds``) until it reads the world size; nothing is queued on the device, so no collective timeout
+    applies. If a rank fails meanwhile (``fail_fast`` publishes it) the others raise ``PeerFailed`` with its
+    message; ``timeout_minutes`` is only a backstop (TimeoutError naming ``name``). Every rank must call it with the
+    same ``name``, in the same order; a no-op at world size 1.
+    """
+    if not is_distributed():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    count = _STORE_BARRIERS[name] = _STORE_BARRIERS.get(name, 0) + 1
+    key, world = f"fastvideo/barrier/{name}/{count}", get_world_size()
+    arrived = store.add(key, 1)
+    deadline, pause = time.monotonic() + 60.0 * timeout_minutes, 0.01
+    while arrived < world:
+        if store.check([_FAILED_KEY]):
+            raise PeerFailed(store.get(_FAILED_KEY).decode())
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {get_rank()}: waited {timeout_minutes:g} minutes at {name!r} for the other ranks "
+                               f"({arrived} of {world} arrived); a rank is stuck (e.g. in a file-system write)")
+        time.sleep(pause)
+        pause = min(2 * pause, poll_seconds)
+        arrived = store.add(key, 0)
+    # rank 0 leaves last: without torchrun's agent it hosts the store, which must outlive every rank's last poll
+    if store.add(key + "/left", 1) < world and get_rank() == 0:
+        deadline = time.monotonic() + 60.0  # the others are past their loop: they add at once
+        while store.add(key + "/left", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 @contextmanager
@@ -303,6 +370,12 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
     threading.Thread(target=watch, name="fastvideo-fail-fast", daemon=True).start()
     try:
         yield
+    except PeerFailed as err:  # a peer's error, already published: end like the watchdog does
+        print(f"[rank {rank}] stopping: {err}", file=sys.stderr, flush=True)
+        try:
+            store.add(_FAILED_KEY + "/acks", 1)
+        finally:
+            os._exit(1)
     except Exception as err:  # noqa: BLE001
         traceback.print_exc()
         cause = f"rank {rank} failed: {type(err).__name__}: {err}"
@@ -321,9 +394,13 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
 
 
 def cleanup() -> None:
-    """Tear the process group down (safe to call when none exists)."""
-    global _INFO, _SP_MESH
+    """Tear the process group down (safe to call when none exists), after every rank got here (``store_barrier``:
+    a rank still finishing its share of rank-0 file work must not trip the collective timeout); forgets the meshes."""
+    global _INFO
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if is_distributed():
+            store_barrier("cleanup")
+            devices.synchronize(info().device)  # every rank has queued all its collectives: they complete now
         dist.destroy_process_group()
-    _INFO, _SP_MESH = None, None
+    _INFO = None
+    _MESHES.clear()

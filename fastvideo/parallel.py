@@ -423,12 +423,31 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     return float(total)
 
 
-def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def cast_floating_(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Cast the floating tensors of ``state_dict`` to ``dtype`` in place, one at a time (each original is released
+    as its copy is made: never a second full copy of the model); returns ``state_dict``."""
+    if dtype is not None:
+        for key, value in state_dict.items():
+            if value.is_floating_point() and value.dtype != dtype:
+                state_dict[key] = value.to(dtype)
+    return state_dict
+
+
+def _host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU copy of ``tensor``, floating ones in ``dtype`` (cast while copying) when given."""
+    cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to("cpu", dtype=cast, copy=True)
+
+
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False,
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's complete (unsharded) state dict as CPU tensors on rank 0, ``{}`` on the other ranks.
 
     Keys are the original module names (no FSDP/checkpoint-wrapper prefixes). ``trainable_only`` drops parameters
-    with ``requires_grad=False`` (e.g. the frozen base under LoRA; FSDP2 then never gathers them). A collective:
-    call it on every rank. The returned tensors are copies (safe to keep while training continues).
+    with ``requires_grad=False`` (e.g. the frozen base under LoRA; FSDP2 then never gathers them). ``dtype`` casts
+    the floating tensors (an export in bf16): as each is copied (FSDP1, one process), or one at a time after FSDP2's
+    gather. A collective: call it on every rank. The returned tensors are copies (safe to keep while training
+    continues).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -437,12 +456,12 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
     if version == 0:
         if not distributed.is_main_process():
             return {}
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items() if k not in frozen}
+        return {k: _host_copy(v, dtype) for k, v in model.state_dict().items() if k not in frozen}
     if version == 2:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         sd = get_model_state_dict(model, options=options)
     else:
-        sd = _fsdp1_full_state_dict(model, frozen)
+        sd = _fsdp1_full_state_dict(model, frozen, dtype)
     if not distributed.is_main_process():
         return {}
     # gathered tensors are fresh CPU tensors: copy only what still aliases the live model (unsharded buffers, a
@@ -450,11 +469,14 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[s
     live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
             if t.device.type == "cpu" and not hasattr(t, "_local_tensor")}
     live |= {t._local_tensor.untyped_storage().data_ptr() for t in model.parameters() if hasattr(t, "_local_tensor")}
-    return {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v.detach()
-            for k, v in sd.items() if k not in frozen}
+    out = {k: _host_copy(v, dtype) if v.untyped_storage().data_ptr() in live else v.detach()
+           for k, v in sd.items() if k not in frozen}
+    del sd
+    return cast_floating_(out, dtype)
 
 
-def _fsdp1_full_state_dict(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+def _fsdp1_full_state_dict(model: nn.Module, skip: set[str], dtype: torch.dtype | None = None
+                           ) -> dict[str, torch.Tensor]:
     """FSDP1: gather one FSDP unit at a time; rank 0 keeps CPU copies, the others never hold more than one unit.
 
     (FSDP1's own full-state-dict gather either materialises everything on every rank, or, rank-0-only with CPU
@@ -477,11 +499,11 @@ def _fsdp1_full_state_dict(model: nn.Module, skip: set[str]) -> dict[str, torch.
         with FSDP.summon_full_params(unit, recurse=False, writeback=False):
             if main:
                 for fqn in fqns:  # a copy: the gathered storage is freed when the context exits
-                    out[clean_name(prefix + fqn)] = unit.module.get_parameter(fqn).detach().to("cpu", copy=True)
+                    out[clean_name(prefix + fqn)] = _host_copy(unit.module.get_parameter(fqn), dtype)
     if main:
         for name, buf in model.named_buffers():
             if clean_name(name) not in owned:
-                out[clean_name(name)] = buf.detach().to("cpu", copy=True)
+                out[clean_name(name)] = _host_copy(buf, dtype)
     return out
 
 

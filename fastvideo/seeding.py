@@ -42,7 +42,14 @@ def deterministic_env() -> list[str]:
 def set_deterministic(enabled: bool = True) -> list[str]:
     """Deterministic algorithms on every device type (slower on accelerators): the env vars of
     ``deterministic_env``, torch's deterministic mode (torch_npu honours it too) and the libraries' switches of
-    ``devices.deterministic_switches``. Returns what it set, in order (nothing when not ``enabled``)."""
+    ``devices.deterministic_switches``. Returns what it set, in order (nothing when not ``enabled``).
+
+    torch's deterministic mode would also fill every ``torch.empty`` with NaN (integers: their maximum), which costs a
+    memory write per allocation -- every FSDP all-gather buffer on every forward -- and only matters to code that
+    reads memory before writing it. Ours does not (rollout's buffers are written whole before any read; weights are
+    read into every local shard, strictly; collectives fill their outputs), so ``fill_uninitialized_memory`` is
+    turned off and the run stays deterministic.
+    """
     if not enabled:
         return []
     done = deterministic_env()
@@ -53,8 +60,8 @@ def set_deterministic(enabled: bool = True) -> list[str]:
     except ImportError:  # torch < 2.1
         torch_deterministic = None
     if hasattr(torch_deterministic, "fill_uninitialized_memory"):
-        torch_deterministic.fill_uninitialized_memory = True
-        done.append("torch.utils.deterministic.fill_uninitialized_memory = True")
+        torch_deterministic.fill_uninitialized_memory = False
+        done.append("torch.utils.deterministic.fill_uninitialized_memory = False (no NaN fill of every allocation)")
     return done + devices.deterministic_switches()
 
 

@@ -199,7 +199,7 @@ def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]
     from fastvideo.seeding import set_deterministic
 
     switches = set_deterministic(args.deterministic)  # before the process group and device context start (env vars)
-    D.init_distributed(args.device, cpu_collectives=args.use_cpu_offload)
+    D.init_distributed(args.device, timeout_minutes=args.dist_timeout_minutes, cpu_collectives=args.use_cpu_offload)
     if switches and D.is_main_process():
         print("--deterministic: " + "; ".join(switches), flush=True)
     with preemption.stop_on_signals(), D.fail_fast():
@@ -441,17 +441,25 @@ def load_state(path: Path, policy: Policy, optimizer, lr_scheduler) -> dict:
 
 def export_final(args: argparse.Namespace, policy: Policy) -> Path:
     """OUT/final: a diffusers LoRA (FluxPipeline.load_lora_weights) or a full transformer folder
-    (FluxTransformer2DModel.from_pretrained); the EMA weights when --use_ema."""
+    (FluxTransformer2DModel.from_pretrained) in ``--export_dtype`` (auto: the base model's dtype), recorded as
+    ``exported_dtype`` in its training_args.json; the EMA weights when --use_ema.
+
+    Every rank gathers, rank 0 casts and writes (minutes for a 24 GB FLUX.1-dev transformer), and the others wait
+    for it in ``distributed.store_barrier``, which no collective timeout cuts short; an error on rank 0 still ends
+    every rank (``distributed.fail_fast``)."""
     out = Path(args.output_dir) / "final"
+    dtype = lora.export_dtype(args.export_dtype, args.pretrained_model_name_or_path)
     swap = policy.ema.swap_into(policy.model) if policy.ema is not None else contextlib.nullcontext()
     with swap:
         if policy.is_lora:  # collective: every rank gathers, rank 0 writes (with lora_alpha as metadata)
-            lora.save_lora_for_diffusers(policy.model, out)
+            lora.save_lora_for_diffusers(policy.model, out, dtype=dtype)
         else:
-            lora.save_transformer_for_diffusers(policy.model, policy.config, out)
-    D.barrier()
+            lora.save_transformer_for_diffusers(policy.model, policy.config, out, dtype=dtype)
     if D.is_main_process():
-        (out / "training_args.json").write_text(json.dumps(vars(args), indent=2, default=str) + "\n")
+        name = {v: k for k, v in lora.EXPORT_DTYPES.items()}.get(dtype, str(dtype))
+        record = {**vars(args), "exported_dtype": name}
+        (out / "training_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    D.store_barrier("export")
     return out
 
 

@@ -155,6 +155,18 @@ def safetensors_index(folder: str | os.PathLike) -> dict[str, TensorRecord]:
     return records
 
 
+def stored_dtype(folder: str | os.PathLike) -> torch.dtype:
+    """The floating-point dtype a component folder's safetensors store its weights in (the one holding most elements:
+    bf16 for FLUX.1-dev, fp32 for the tiny test models), read from the headers only; ``--export_dtype auto``."""
+    totals: dict[torch.dtype, int] = {}
+    for record in safetensors_index(folder).values():
+        if record.dtype.is_floating_point:
+            totals[record.dtype] = totals.get(record.dtype, 0) + record.numel
+    if not totals:
+        raise ValueError(f"{folder} stores no floating-point weights; pass --export_dtype bf16|fp16|fp32")
+    return max(totals, key=totals.__getitem__)
+
+
 def check_weight_files(folder: str | os.PathLike) -> None:
     """Header-check every ``*.safetensors`` file of a component folder (and the files its index names) before any
     model is built: ValueError naming a corrupt or truncated file, FileNotFoundError for one the index names but

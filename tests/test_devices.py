@@ -176,7 +176,7 @@ def test_set_deterministic_sets_and_lists_every_switch(fake_npu, restore_global_
     done = seeding.set_deterministic(True)
     assert done == ["CUBLAS_WORKSPACE_CONFIG=:4096:8", "HCCL_DETERMINISTIC=strict",
                     "torch.use_deterministic_algorithms(True, warn_only=True)",
-                    "torch.utils.deterministic.fill_uninitialized_memory = True",
+                    "torch.utils.deterministic.fill_uninitialized_memory = False (no NaN fill of every allocation)",
                     "torch.backends.cudnn.deterministic = True", "torch.backends.cudnn.benchmark = False",
                     "torch.backends.cuda.matmul.allow_tf32 = False", "torch.backends.cudnn.allow_tf32 = False",
                     "torch.npu.matmul.allow_hf32 = False", "torch.npu.conv.allow_hf32 = False"]
@@ -184,6 +184,9 @@ def test_set_deterministic_sets_and_lists_every_switch(fake_npu, restore_global_
     assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert fake_npu.matmul.allow_hf32 is False and fake_npu.conv.allow_hf32 is False
+    import torch.utils.deterministic as torch_deterministic
+
+    assert torch_deterministic.fill_uninitialized_memory is False  # no write per torch.empty (FSDP buffers)
 
 
 def test_deterministic_env_only_touches_env(restore_global_switches):

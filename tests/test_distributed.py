@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
 from helpers import run_torchrun
@@ -22,8 +23,6 @@ def test_world_size_one_is_the_identity():
 
 
 def test_device_override_errors_name_the_fix():
-    import pytest
-
     with pytest.raises(ValueError, match="--device"):
         D.pick_device_type("tpu")
     if not torch.cuda.is_available():
@@ -86,3 +85,52 @@ def test_an_error_on_one_rank_ends_every_rank_with_its_message(tmp_path):
     assert elapsed < 60, elapsed
     assert "[rank 1] rank 1 failed: ValueError: non-finite reward on rank 1 (test)" in proc.stderr
     assert "[rank 0] stopping: rank 1 failed: ValueError: non-finite reward on rank 1 (test)" in proc.stderr
+
+
+def test_local_rank_beyond_the_visible_devices_names_the_fix(monkeypatch):
+    """torchrun --nproc_per_node 5 on 4 visible GPUs: a ValueError naming CUDA_VISIBLE_DEVICES and --nproc_per_node,
+    raised before set_device (which would fail with "invalid device ordinal"); NPUs name ASCEND_RT_VISIBLE_DEVICES."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device before the check"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    monkeypatch.setattr(D, "_INFO", None)
+    expected = ("LOCAL_RANK 4 but only 4 CUDA devices are visible (CUDA_VISIBLE_DEVICES=0,1,2,3): launch at most 4 "
+                "processes per node with torchrun --nproc_per_node, or make more devices visible")
+    with pytest.raises(ValueError) as err:
+        D.init_distributed("cuda")
+    assert str(err.value) == expected
+    D.check_local_rank("cuda", 3)  # the last visible device is fine
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 1), raising=False)
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but only 1 NPU device is visible \(ASCEND_RT_VISIBLE_DEVICES "
+                                         r"is not set\): launch at most 1 process per node"):
+        D.check_local_rank("npu", 1)
+    with pytest.raises(ValueError, match="--dist_timeout_minutes must be > 0"):
+        D.init_distributed("cpu", timeout_minutes=0)
+
+
+@pytest.mark.parametrize("mode", ["store", "collective", "disk_full"])
+def test_rank0_file_work_outlasting_the_collective_timeout(tiny_flux_dir, tmp_path, mode):
+    """2 ranks with a 4 s collective timeout; rank 0's final export (bf16), a checkpoint deletion and a re-saved
+    step's swap each take 7 s. store: the job succeeds (the others wait in the TCP store), and the policy and the
+    frozen reference share one DeviceMesh. collective: the barrier the code had there times out. disk_full: rank 0's
+    export error ends both ranks with its message (fail_fast), not with a timeout."""
+    from helpers import REPO
+
+    args = [str(REPO / "tests" / "dist_scripts" / "cluster_checks.py"), str(tiny_flux_dir), str(tmp_path / "out"),
+            "4", "7", mode]
+    if mode == "store":
+        proc = run_torchrun(args, timeout=300)
+        assert proc.stdout.count("cluster ok") == 2, proc.stdout[-3000:]
+        return
+    with pytest.raises(AssertionError, match="torchrun failed") as failed:
+        run_torchrun(args, timeout=300)
+    if mode == "collective":
+        assert "Timed out waiting 4000ms" in str(failed.value)
+    else:
+        assert str(failed.value).count("rank 0 failed: OSError: [Errno 28] No space left on device (test)") >= 2
+        assert "Timed out" not in str(failed.value)

@@ -181,3 +181,59 @@ def test_lora_under_fsdp(dist, tiny_flux_dir):
         assert all(torch.equal(got[k], expected[k]) for k in expected)
     image = pipeline_image(tiny_flux_dir, lora_dir=dist.work_dir / "lora-fsdp2")
     torch.testing.assert_close(image, pipeline_image(tiny_flux_dir, transformer=model.eval()), atol=1e-5, rtol=1e-5)
+
+
+def test_export_dtype_is_the_base_models_stored_dtype(tiny_flux_dir, tmp_path):
+    """--export_dtype auto reads the transformer safetensors' headers: fp32 for the tiny model; a folder storing most
+    elements in bf16 (FLUX.1-dev) exports bf16. The flag's other values map directly."""
+    from safetensors.torch import save_file
+
+    from fastvideo.lora import export_dtype
+    from fastvideo.weights import stored_dtype
+
+    assert export_dtype("auto", tiny_flux_dir) == torch.float32
+    assert [export_dtype(c, tiny_flux_dir) for c in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16,
+                                                                                  torch.float32]
+    with pytest.raises(ValueError, match="--export_dtype"):
+        export_dtype("int8", tiny_flux_dir)
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file({"a.weight": torch.zeros(64, 64, dtype=torch.bfloat16), "b.scale": torch.zeros(8),
+               "c.index": torch.zeros(4096, dtype=torch.int64)}, str(folder / "model.safetensors"))
+    assert stored_dtype(folder) == torch.bfloat16 and export_dtype("auto", tmp_path) == torch.bfloat16
+
+
+def test_export_casts_one_tensor_at_a_time(tiny_flux_dir, tmp_path, monkeypatch):
+    """cast_floating_ releases each fp32 tensor as its bf16 copy is made (never a second full copy of the model on
+    rank 0; FSDP2's gather is cast so), full_state_dict(dtype=) casts while copying (one process, FSDP1), and a LoRA
+    exported in bf16 stores bf16 and leaves the caller's state dict as it was."""
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from fastvideo.parallel import cast_floating_, full_state_dict
+
+    state = {f"w{i}": torch.randn(32, 32) for i in range(4)}
+    refs = [weakref.ref(v) for v in state.values()]
+    alive_at_cast: list[int] = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        alive_at_cast.append(sum(r() is not None for r in refs))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    cast_floating_(state, torch.bfloat16)
+    monkeypatch.undo()
+    assert alive_at_cast == [4, 3, 2, 1] and all(v.dtype == torch.bfloat16 for v in state.values())
+
+    base = load_transformer(tiny_flux_dir)
+    half = full_state_dict(base, dtype=torch.bfloat16)  # cast while copying: no fp32 copy at all
+    assert all(torch.equal(half[k], v.to(torch.bfloat16)) for k, v in base.state_dict().items())
+    model = add_lora(base, rank=LORA_RANK, alpha=LORA_ALPHA, init_seed=0)
+    adapters = lora_state_dict(model)
+    out = save_lora_for_diffusers(adapters, tmp_path / "lora", config=lora_config(model), dtype=torch.bfloat16)
+    stored = load_file(out / "pytorch_lora_weights.safetensors")
+    assert len(stored) == len(adapters) and {v.dtype for v in stored.values()} == {torch.bfloat16}
+    assert {v.dtype for v in adapters.values()} == {torch.float32}

@@ -567,3 +567,79 @@ def test_pickscore_tiny_transformers_clip(tiny_hf_clip):
         img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
         expected = model.logit_scale.exp() * (img * txt).sum(-1)
     torch.testing.assert_close(scores, expected, rtol=0, atol=0.05)
+
+
+# ----------------------------------------------------------------------------------------------- on the device
+@pytest.mark.parametrize("settings", [
+    dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    dict(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}),  # PickScore's / CLIP-L's processor
+    dict(size={"height": 40, "width": 30}, crop_size={"height": 48, "width": 24}, resample=2),  # crop pads a side
+    dict(size={"shortest_edge": 24}, do_center_crop=False),
+], ids=["tiny", "clip-224", "hw-bilinear-pad", "no-crop"])
+def test_hf_clip_transform_is_the_processor_bit_for_bit(settings):
+    """The torch-op transform gives exactly what the transformers processor gave the rewards before (its
+    torchvision backend on these [0,1] tensors), for portrait, landscape, square and odd sizes."""
+    from transformers import CLIPImageProcessor
+
+    from fastvideo.rewards._common import HFClipTransform, quantize_uint8
+
+    processor = CLIPImageProcessor(**settings)
+    transform = HFClipTransform.from_processor(processor)
+    for h, w in [(48, 64), (64, 48), (224, 224), (33, 100), (720, 1280)]:
+        images = quantize_uint8(_smooth_images(2, h, w, seed=h + w))
+        expected = processor(images=list(images), do_rescale=False, return_tensors="pt")["pixel_values"]
+        assert torch.equal(transform(images), expected.float()), (settings, h, w)
+
+
+@pytest.fixture
+def no_host_copies(monkeypatch):
+    """Record every tensor -> numpy/PIL conversion and every .cpu()/.tolist() made while the fixture is active."""
+    from PIL import Image
+
+    calls: list[str] = []
+    for name in ("numpy", "__array__", "cpu", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            if self.dim() >= 3:  # an image or image batch (tokens and scores are 1-2-D)
+                calls.append(f"Tensor.{_name}{tuple(self.shape)}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    fromarray = Image.fromarray
+    monkeypatch.setattr(Image, "fromarray", lambda *a, **k: calls.append("Image.fromarray") or fromarray(*a, **k))
+    return calls
+
+
+def test_reward_preprocessing_stays_on_the_device(tmp_path, tiny_hf_clip, tiny_hps, hps_fn, no_host_copies):
+    """Every CLIP-family reward preprocesses as torch ops on the images' device: on meta-device images (no data:
+    a copy to the host or to numpy raises) each preprocessing returns meta tensors, and a whole scoring call on the
+    CPU converts no image batch to numpy/PIL and calls no .cpu()/.tolist() on it. (jpeg_* and toyworld analyse
+    pixels on the host by design: one copy per batch.)"""
+    from transformers import CLIPImageProcessor
+
+    from fastvideo.rewards._common import quantize_uint8
+
+    model_dir, processor_dir = tiny_hf_clip
+    CLIPImageProcessor.from_pretrained(processor_dir).save_pretrained(model_dir)
+    ckpt, cfg = tiny_hps
+    mlp = str(_random_laion_mlp(tmp_path / "m.pth", 16))
+    scorers = {
+        "pickscore": build_reward("pickscore", "cpu", pickscore_model=str(model_dir),
+                                  pickscore_processor=str(processor_dir)).components[0][2],
+        "aesthetic-hf": build_reward("aesthetic", "cpu", aesthetic_checkpoint=mlp,
+                                     aesthetic_clip_checkpoint=str(model_dir)).components[0][2],
+        "clipscore": build_reward("clipscore", "cpu", clip_checkpoint=str(ckpt),
+                                  clip_model=str(cfg)).components[0][2],
+        "hpsv2": hps_fn.components[0][2],
+    }
+    meta = torch.empty(2, 3, 48, 64, device="meta")
+    preprocess = {"pickscore": lambda x: scorers["pickscore"].transform(quantize_uint8(x)),
+                  "aesthetic-hf": lambda x: scorers["aesthetic-hf"].transform(quantize_uint8(x)),
+                  "clipscore": scorers["clipscore"].pixels, "hpsv2": scorers["hpsv2"].pixels}
+    for name, fn in preprocess.items():
+        assert fn(meta).device.type == "meta", name
+    images = _smooth_images(2, 48, 64)
+    for name, scorer in scorers.items():
+        assert torch.isfinite(scorer(images, PROMPTS[:2])).all(), name
+    assert no_host_copies == []

@@ -44,7 +44,7 @@ def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
 def lora_run(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
     """4 LoRA steps on 2 ranks with a checkpoint every 2 steps, KL to the adapter-disabled reference."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, *LORA_FLAGS))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, *LORA_FLAGS, "--export_dtype", "bf16"))
     return out
 
 
@@ -63,7 +63,8 @@ def full_runs(tiny_flux_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
     # the FSDP2 run also recomputes blocks in backward and offloads to the CPU: neither may change the numbers
     run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp2"], *flags, "--fsdp_version", "2",
                              "--gradient_checkpointing", "--use_cpu_offload"))
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp1"], *flags, "--fsdp_version", "1"))
+    run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["fsdp1"], *flags, "--fsdp_version", "1", "--export_dtype",
+                             "bf16"))
     run_torchrun(common_args(tiny_flux_dir, tiny_data, runs["single"], *flags), nproc=1)
     return runs
 
@@ -199,6 +200,31 @@ def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9), "policy equals the reference before any update"
     assert rows[1]["kl"] > 0, "after one update the policy differs from the frozen reference"
+
+
+def test_exports_are_written_in_the_export_dtype(full_runs, lora_run, tiny_flux_dir):
+    """--export_dtype auto writes the base model's stored dtype (fp32 for the tiny model), bf16 half the bytes; both
+    load with from_pretrained / load_lora_weights (test_lora_export_loads_in_stock_pipeline: the bf16 LoRA) and
+    training_args.json records the dtype written."""
+    from diffusers import FluxTransformer2DModel
+
+    from fastvideo.weights import safetensors_index
+
+    def written(folder: Path) -> tuple[set, int, str]:  # (dtypes, tensor bytes without the JSON header, recorded)
+        records = safetensors_index(folder).values()
+        size = sum(r.numel * torch.empty((), dtype=r.dtype).element_size() for r in records)
+        recorded = json.loads((folder / "training_args.json").read_text())["exported_dtype"]
+        return {r.dtype for r in records}, size, recorded
+
+    fp32_dtypes, fp32_bytes, fp32_name = written(full_runs["fsdp2"] / "final")  # auto: the folder's fp32
+    bf16_dtypes, bf16_bytes, bf16_name = written(full_runs["fsdp1"] / "final")
+    assert (fp32_dtypes, fp32_name, bf16_dtypes, bf16_name) == ({torch.float32}, "fp32", {torch.bfloat16}, "bf16")
+    assert 2 * bf16_bytes == fp32_bytes, (fp32_bytes, bf16_bytes)
+    fp32 = FluxTransformer2DModel.from_pretrained(full_runs["fsdp2"] / "final", local_files_only=True).state_dict()
+    bf16 = FluxTransformer2DModel.from_pretrained(full_runs["fsdp1"] / "final", local_files_only=True).state_dict()
+    for name in fp32:  # the FSDP1 and FSDP2 runs agree to ~1e-6, far below bf16's rounding
+        torch.testing.assert_close(bf16[name].float(), fp32[name].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
+    assert written(lora_run / "final")[0::2] == ({torch.bfloat16}, "bf16")
 
 
 def test_world_size_does_not_change_rewards(full_runs):

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -135,10 +136,82 @@ def features(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot read features from {type(output).__name__}")
 
 
-def hf_pixel_values(image_processor: Any, images: torch.Tensor) -> torch.Tensor:
-    """Run a transformers CLIP image processor on a float [0,1] batch without leaving the tensor's device."""
-    out = image_processor(images=list(images), do_rescale=False, return_tensors="pt")
-    return out["pixel_values"].to(device=images.device, dtype=torch.float32)
+# PIL resample codes (a processor config's "resample") -> torchvision modes, as transformers' torchvision backend maps
+# them; the filters CLIP processors do not use (LANCZOS 1, BOX 4, HAMMING 5) are refused.
+_RESAMPLE_MODES = {0: "NEAREST_EXACT", 2: "BILINEAR", 3: "BICUBIC"}
+
+
+def _size_entries(size: Any) -> dict:
+    """A processor's ``size``/``crop_size`` (transformers 5's SizeDict, 4's dict, or a bare int) as a plain dict."""
+    if size is None:
+        return {}
+    if isinstance(size, int):
+        return {"shortest_edge": size}
+    return {k: v for k, v in dict(size).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class HFClipTransform:
+    """A transformers CLIP image processor's eval transform (resize, centre crop, normalise) as batched torch ops on
+    the images' device, with the math of transformers' torchvision backend (``CLIPImageProcessor`` in transformers
+    5; equal to it bit for bit on the CPU): torchvision's antialiased resize of the float image (shorter side to
+    ``shortest_edge``, the longer ``int(size * long / short)``, or to ``height`` x ``width``), a centre crop at
+    ``int((dim - crop) / 2)`` (zero padding where the crop is larger), ``(x - mean) / std``. Inputs are [0, 1] images
+    (rescaling is never applied). Built from the processor's settings only, so no image goes through numpy or PIL,
+    whatever transformers version (4.x's PIL/numpy ``CLIPImageProcessor`` included) is installed."""
+
+    resize: dict
+    interpolation: str
+    crop: tuple[int, int] | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_processor(cls, processor: Any) -> HFClipTransform:
+        """Read the transform off a transformers image processor (or a processor holding one)."""
+        processor = getattr(processor, "image_processor", processor)
+        resize = _size_entries(processor.size) if getattr(processor, "do_resize", True) else {}
+        if resize and not ({"shortest_edge"} == set(resize) or {"height", "width"} == set(resize)):
+            raise ValueError(f"image processor size {resize} is not supported (expected shortest_edge, or height and "
+                             "width, as CLIP processors use); fix the preprocessor_config.json")
+        resample = int(getattr(processor, "resample", 3))
+        if resample not in _RESAMPLE_MODES:
+            raise ValueError(f"image processor resample={resample} is not supported on the device; CLIP processors "
+                             "use 3 (bicubic): fix the preprocessor_config.json")
+        crop = _size_entries(processor.crop_size) if getattr(processor, "do_center_crop", False) else {}
+        normalize = getattr(processor, "do_normalize", True)
+        return cls(resize=resize, interpolation=_RESAMPLE_MODES[resample],
+                   crop=(int(crop["height"]), int(crop["width"])) if crop else None,
+                   mean=tuple(processor.image_mean) if normalize else None,
+                   std=tuple(processor.image_std) if normalize else None)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """(B,3,H,W) float [0,1] -> (B,3,h,w) float32 model input, on the images' device."""
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional as tvF
+
+        x = images
+        if self.resize:
+            h, w = x.shape[-2:]
+            if "shortest_edge" in self.resize:
+                size = int(self.resize["shortest_edge"])
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = size, int(size * long / short)
+                new = (new_long, new_short) if w <= h else (new_short, new_long)
+            else:
+                new = (int(self.resize["height"]), int(self.resize["width"]))
+            x = tvF.resize(x, list(new), interpolation=getattr(InterpolationMode, self.interpolation), antialias=True)
+        if self.crop is not None:
+            (ch, cw), (h, w) = self.crop, x.shape[-2:]
+            if ch > h or cw > w:
+                pad = [max(cw - w, 0) // 2, max(ch - h, 0) // 2, (max(cw - w, 0) + 1) // 2, (max(ch - h, 0) + 1) // 2]
+                x = tvF.pad(x, pad, fill=0)
+                h, w = x.shape[-2:]
+            x = tvF.crop(x, int((h - ch) / 2.0), int((w - cw) / 2.0), ch, cw)
+        x = x.to(torch.float32)
+        if self.mean is not None:
+            x = tvF.normalize(x, list(self.mean), list(self.std))
+        return x
 
 
 # ----------------------------------------------------------------------------------------------- open_clip

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ._common import clip_pixels, features, hf_pixel_values, load_open_clip, quantize_uint8, require_path
+from ._common import HFClipTransform, clip_pixels, features, load_open_clip, quantize_uint8, require_path
 
 DEFAULT_CLIP_MODEL = "ViT-L-14-quickgelu"
 
@@ -69,7 +69,8 @@ class AestheticScorer:
 
             self.hf_model = CLIPModel.from_pretrained(clip_path, local_files_only=True)
             self.hf_model = self.hf_model.to(self.device).eval().requires_grad_(False)
-            self.image_processor = CLIPImageProcessor.from_pretrained(clip_path, local_files_only=True)
+            self.transform = HFClipTransform.from_processor(
+                CLIPImageProcessor.from_pretrained(clip_path, local_files_only=True))  # torch ops on the device
             embed_dim = self.hf_model.config.projection_dim
             self.model = None
         else:
@@ -86,7 +87,7 @@ class AestheticScorer:
         """(B,3,H,W) in [0,1] -> (B, D) L2-normalised CLIP image embeddings, float32."""
         images = images.to(self.device)
         if self.model is None:
-            pixels = hf_pixel_values(self.image_processor, quantize_uint8(images))
+            pixels = self.transform(quantize_uint8(images))
             emb = features(self.hf_model.get_image_features(pixel_values=pixels))
         else:
             p = self.preprocess

@@ -4,9 +4,9 @@
 copy of the processor it was trained with (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``). Score =
 ``logit_scale.exp() * cos(image, prompt)`` as in PickScore's reference code (~18-24 for good images).
 Flow-GRPO divides that by 26 to land near [0, 1]: reproduce it with the spec weight ``pickscore:0.03846``.
-Images go through the processor's own transform (the torchvision backend, batched, on the tensors'
-device) after rounding to uint8 like the PIL images the reference scores; prompts are padded and
-truncated to 77 tokens.
+Images go through the processor's own transform, batched as torch ops on the tensors' device
+(``HFClipTransform``: the math of transformers' torchvision backend, read off the processor's settings; no numpy or
+PIL) after rounding to uint8 like the PIL images the reference scores; prompts are padded and truncated to 77 tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ._common import encode_unique, features, hf_pixel_values, quantize_uint8, require_path
+from ._common import HFClipTransform, encode_unique, features, quantize_uint8, require_path
 
 MAX_LENGTH = 77
 
@@ -28,6 +28,7 @@ class PickScoreScorer:
 
         self.device = torch.device(device)
         self.processor = CLIPProcessor.from_pretrained(processor, local_files_only=True)
+        self.transform = HFClipTransform.from_processor(self.processor.image_processor)
         self.model = CLIPModel.from_pretrained(model, local_files_only=True)
         self.model = self.model.to(self.device).eval().requires_grad_(False)
 
@@ -40,7 +41,7 @@ class PickScoreScorer:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """(B,3,H,W) in [0,1] + B prompts -> (B,) float32 ``logit_scale * cos`` on ``device``."""
-        pixels = hf_pixel_values(self.processor.image_processor, quantize_uint8(images.to(self.device)))
+        pixels = self.transform(quantize_uint8(images.to(self.device)))
         emb = features(self.model.get_image_features(pixel_values=pixels)).float()
         emb = emb / emb.norm(dim=-1, keepdim=True)
         cos = (emb * encode_unique(prompts, self._encode_text)).sum(dim=-1)
