@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace) -> None:
     # ---- setup: flags and inputs first, before anything expensive -------------------------------
-    run = training.start_run(args, validate_dpo)
+    run = training.start_run(args, validate_dpo, plan_dpo)
     dist, device, noise, amp_dtype = run.dist, run.device, run.noise, run.amp_dtype
     online = args.preference_file is None
     if online:
@@ -95,32 +96,8 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 4. DPO update: winner and loser share noise and sigma; one optimizer step ----------------
         t0 = time.perf_counter()
-        trained, per_item, losses, grad_norm = len(pair_keys), [], [], 0.0
-        draws = args.timesteps_per_pair
-        rows = torch.arange(trained).repeat(draws)  # (m*K,) the pair of each (pair, draw) item
-        item_weights = weights[rows] / draws
-        if trained:  # the same on every rank (0 only when no pair of the step was kept)
-            pair_batch = training.batch_to(dataset.get_batch(pair_prompts), device)
-            # one (eps, sigma) per (pair, draw) item: (m*K, L, C), (m*K,)
-            eps, sigma = pair_noise(noise, tuple(x0_w.shape[1:]), step, [pair_keys[i] for i in rows.tolist()],
-                                    draws=torch.arange(draws).repeat_interleave(trained).tolist())
-            micro_batches = torch.arange(len(rows)).split(args.train_batch_size)
-            for k, items in enumerate(micro_batches):
-                idx = rows[items]
-                idx_dev = devices.to_device(idx, device)  # CPU draws and latents: pinned, non-blocking copies
-                cond = {key: pair_batch[key][idx_dev] for key in ("prompt_embeds", "pooled_prompt_embeds")}
-                inputs = (devices.to_device(x0_w[idx], device), devices.to_device(x0_l[idx], device), eps[items],
-                          sigma[items], cond, geometry)
-                with torch.no_grad(), policy.reference() as ref_model:
-                    ref_w, ref_l = pair_errors(ref_model, *inputs, guidance=args.guidance_scale,
-                                               autocast_dtype=amp_dtype)
-                err_w, err_l = pair_errors(policy.model, *inputs, guidance=args.guidance_scale,
-                                           autocast_dtype=amp_dtype)
-                loss, _ = dpo_loss(err_w, err_l, ref_w, ref_l, beta=args.beta_dpo, weights=item_weights[items])
-                run.backward(loss, last_backward=k == len(micro_batches) - 1)
-                losses.append(loss.detach())
-                per_item.append(torch.stack([err_w.detach(), err_l.detach(), ref_w, ref_l], dim=1))
-            grad_norm = run.optimizer_step()
+        pair_batch = training.batch_to(dataset.get_batch(pair_prompts), device) if pair_keys else {}
+        upd = update_policy(run, pair_batch, x0_w, x0_l, pair_keys, weights, step)
         if args.ref_update_interval and step % args.ref_update_interval == 0:
             policy.update_reference()
         t_train = time.perf_counter() - t0
@@ -128,29 +105,76 @@ def train(args: argparse.Namespace) -> None:
             images = preview(run, dataset, pair_prompts, step, rollout_cfg, geometry)  # ODE samples of the policy
 
         # ---- 5. metrics over all pairs of the step, samples, checkpoint ------------------------------
-        host = training.to_host({"items": torch.cat(per_item), "loss": losses} if per_item else {})  # one copy
-        local = host["items"] if per_item else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l
-        table = D.gather_samples(torch.cat([local, item_weights[:, None].cpu()], dim=1))
+        host = training.to_host({"items": torch.cat(upd.per_item), "loss": upd.losses} if upd.losses else {})
+        local = host["items"] if upd.losses else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l: one copy
+        table = D.gather_samples(torch.cat([local, upd.item_weights[:, None].cpu()], dim=1))
         table = table[table[:, 4] > 0]  # the real pairs' items (padding has weight 0)
         step_time = t_sample + t_decode + t_reward + t_train
         metrics.update({
             **dpo_pair_metrics(*table[:, :4].unbind(dim=1), args.beta_dpo),  # NaN if every pair was skipped
-            "trained_pairs": len(table) // draws, "grad_norm": grad_norm,
+            "trained_pairs": len(table) // args.timesteps_per_pair, "grad_norm": upd.grad_norm,
             "time_rollout": t_sample, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
             "time_step": step_time,
             "samples_per_s": run.counts.get("samples_per_step", 2 * args.prompts_per_step) / step_time,
         })
         postfix = {"loss": "{:.4f}", **({"reward_mean": "{:.5g}"} if online else {})}
-        trace = {"loss": host["loss"].view(-1, 1), "item_errors": local} if losses else None
+        trace = {"loss": host["loss"].view(-1, 1), "item_errors": local} if upd.losses else None
         if run.end_step(step, metrics, images, postfix=postfix, trace=trace):
             break
 
     run.finish()
 
 
+@dataclass
+class Update:
+    """What one step's DPO update produced: per (pair, draw) item its weight (m*K,), per micro-batch the detached loss
+    and the items' (err_w, err_l, ref_w, ref_l) (b, 4), and the optimizer step's gradient norm (0 when no pair)."""
+
+    item_weights: torch.Tensor
+    losses: list[torch.Tensor] = field(default_factory=list)
+    per_item: list[torch.Tensor] = field(default_factory=list)
+    grad_norm: float = 0.0
+
+
+def update_policy(run: training.Run, pair_batch: dict, x0_w: torch.Tensor, x0_l: torch.Tensor, pair_keys: list[int],
+                  weights: torch.Tensor, step: int) -> Update:
+    """One optimizer step on this rank's m pairs (``pair_batch``: their prompts' embeddings on the device;
+    winner/loser clean latents ``x0_w``/``x0_l`` (m, L, C) on the CPU; noise keys and loss weights (m,)):
+    --timesteps_per_pair (eps, sigma) draws per pair, shared by winner and loser; flow-matching errors of the
+    reference (no grad) and the policy; the weighted DPO loss, in micro-batches of --train_batch_size items."""
+    args, policy, device = run.args, run.policy, run.device
+    trained, draws = len(pair_keys), args.timesteps_per_pair
+    rows = torch.arange(trained).repeat(draws)  # (m*K,) the pair of each (pair, draw) item
+    out = Update(item_weights=weights[rows] / draws)
+    if not trained:  # the same on every rank (0 only when no pair of the step was kept)
+        return out
+    # one (eps, sigma) per (pair, draw) item: (m*K, L, C), (m*K,)
+    eps, sigma = pair_noise(run.noise, tuple(x0_w.shape[1:]), step, [pair_keys[i] for i in rows.tolist()],
+                            draws=torch.arange(draws).repeat_interleave(trained).tolist())
+    velocity = dict(guidance=args.guidance_scale, autocast_dtype=run.amp_dtype)
+    item_weights = devices.to_device(out.item_weights, device)  # once: the loop below never syncs
+    micro_batches = torch.arange(len(rows)).split(args.train_batch_size)
+    for k, items in enumerate(micro_batches):
+        idx = rows[items]
+        idx_dev = devices.to_device(idx, device)  # CPU draws and latents: pinned, non-blocking copies
+        cond = {key: pair_batch[key][idx_dev] for key in ("prompt_embeds", "pooled_prompt_embeds")}
+        inputs = (devices.to_device(x0_w[idx], device), devices.to_device(x0_l[idx], device), eps[items],
+                  sigma[items], cond, run.geometry)
+        with torch.no_grad(), policy.reference() as ref_model:
+            ref_w, ref_l = pair_errors(ref_model, *inputs, **velocity)
+        err_w, err_l = pair_errors(policy.model, *inputs, **velocity)
+        items_dev = devices.to_device(items, device)
+        loss, _ = dpo_loss(err_w, err_l, ref_w, ref_l, beta=args.beta_dpo, weights=item_weights[items_dev])
+        run.backward(loss, last_backward=k == len(micro_batches) - 1)
+        out.losses.append(loss.detach())
+        out.per_item.append(torch.stack([err_w.detach(), err_l.detach(), ref_w, ref_l], dim=1))
+    out.grad_norm = run.optimizer_step()
+    return out
+
+
 def encode_pairs(run: training.Run, pairs: list, geometry: flux.LatentGeometry) -> LatentCache:
-    """VAE latents of every pair image, encoded once in batches (each rank its share of the chunks) and cached next
-    to the run; a re-run or resume reuses what is there."""
+    """VAE latents of every pair image, encoded once in batches by an fp32 VAE (each rank its share of the chunks) and
+    cached next to the run; a re-run or resume reuses what is there."""
     args = run.args
     cache = LatentCache(Path(args.latent_cache_dir or run.out / "preference_latents"), pairs,
                         vae_fingerprint=flux.vae_fingerprint(args.pretrained_model_name_or_path), height=args.h,
@@ -158,8 +182,12 @@ def encode_pairs(run: training.Run, pairs: list, geometry: flux.LatentGeometry) 
     if run.dist.is_main:
         cache.prepare()
     D.barrier()
-    cache.build(run.vae, geometry, device=run.device, rank=run.dist.rank, world_size=run.dist.world_size,
+    # the cache holds fp32 latents whatever the compute dtype (the run's VAE decodes in bf16 on accelerators)
+    vae = run.vae if next(run.vae.parameters()).dtype == torch.float32 else flux.load_vae(
+        args.pretrained_model_name_or_path, device=run.device)
+    cache.build(vae, geometry, device=run.device, rank=run.dist.rank, world_size=run.dist.world_size,
                 batch_size=args.rollout_batch_size)
+    del vae
     D.barrier()
     return cache
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args: argparse.Namespace) -> None:
     # ---- setup: flags and inputs first, before anything expensive -------------------------------
-    run = training.start_run(args, validate_grpo)
+    run = training.start_run(args, validate_grpo, plan_grpo)
     counts, device, dist, noise = run.counts, run.device, run.dist, run.noise
     geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
 

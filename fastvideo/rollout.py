@@ -18,7 +18,6 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -125,6 +124,11 @@ class Trajectory:
     eta: float
     sde_window_size: int
     timings: dict[str, float] = field(default_factory=dict)
+    stochastic_cpu: torch.Tensor | None = None  # ``stochastic`` on the CPU: read by host-side checks without a sync
+
+    def __post_init__(self) -> None:
+        if self.stochastic_cpu is None:
+            self.stochastic_cpu = self.stochastic.cpu()
 
     def __len__(self) -> int:
         return self.clean_latents.shape[0]
@@ -135,10 +139,6 @@ class Trajectory:
         reading it as a number would be a host sync in the replay loop)."""
         return self.sigmas[1]
 
-    @functools.cached_property
-    def stochastic_cpu(self) -> torch.Tensor:
-        """``stochastic`` on the CPU, copied once (argument checks in the replay loop read it without a host sync)."""
-        return self.stochastic.cpu()
 
     def noise_scale(self, j: int | torch.Tensor) -> torch.Tensor:
         """KL noise scale ``s`` (REFERENCE §4) of step ``j`` (int -> 0-d, (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
@@ -267,7 +267,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         images=torch.cat(images), clean_latents=clean,
         prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), sample_indices=torch.tensor(sample_indices),
         step=int(step), sde_type=cfg.sde_type, eta=float(cfg.eta), sde_window_size=cfg.sde_window_size,
-        timings={"sample": t_sample, "decode": t_decode})
+        timings={"sample": t_sample, "decode": t_decode}, stochastic_cpu=stochastic)
 
 
 def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_indices: list[int], step: int,

@@ -962,8 +962,9 @@ def check_output_dir(output_dir: str | Path) -> None:
 
 
 def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The tensors of an ``EmbeddingDataset.get_batch`` dict moved to ``device`` (other entries kept)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The tensors of an ``EmbeddingDataset.get_batch`` dict moved to ``device`` (other entries kept); the prompt ids
+    stay on the CPU: they are bookkeeping read on the host (noise keys), which on the device would be a host sync."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and k != "prompt_ids" else v for k, v in batch.items()}
 
 
 def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""DESIGN principle 9 on a pretend-CUDA trace (tests/fake_cuda.py): each trainer's hot path at world size 8, bf16
+mixed precision on device ``cuda``, traced on fake tensors in one CPU process (run once per module, in its own
+process so that nothing of the trace leaks into the rest of the suite), then checked (``fake_cuda.CHECKS``): no
+CPU/CUDA mixing, one dtype (bf16) into attention, host syncs only at ``fake_cuda.ALLOWED_SYNCS`` and within the
+per-step budgets of the sampling and replay loops, no pageable or blocking host-to-device copy inside those loops.
+
+``python tests/fake_cuda.py`` prints every finding of the same trace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fake_cuda
+
+HARNESS = Path(fake_cuda.__file__)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) -> dict:
+    """The trace's report (``fake_cuda.Report`` as JSON), from one run of the harness in a subprocess."""
+    work = tmp_path_factory.mktemp("fake-cuda")
+    flag = dict(zip(hps_flags[::2], hps_flags[1::2]))
+    out = work / "report.json"
+    cmd = [sys.executable, str(HARNESS), "--model", str(tiny_flux_dir), "--hps_checkpoint", flag["--hps_checkpoint"],
+           "--hps_model", flag["--hps_model"], "--work", str(work), "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=fake_cuda.REPO)
+    if not out.is_file():
+        raise AssertionError(f"the pretend-CUDA trace crashed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("check", list(fake_cuda.CHECKS))
+def test_pretend_cuda_trace(report: dict, check: str) -> None:
+    """One check of ``fake_cuda.CHECKS`` holds on the trace (the message lists every violation with its site)."""
+    bad = fake_cuda.violations(report)[check]
+    if bad:
+        pytest.fail(f"{fake_cuda.CHECKS[check]}: {len(bad)} violation(s)\n" + "\n".join(bad), pytrace=False)
+
+
+def test_trace_covers_every_path(report: dict) -> None:
+    """Every objective x variant ran build, rollout, reward, update and checkpoint, and the SP path its forwards:
+    a check cannot pass by skipping a path."""
+    expected = {f"{o}/{v}/{phase}" for o in ("grpo", "dpo", "nft") for v in fake_cuda.VARIANTS
+                for phase in ("build", "rollout", "reward", "update", "checkpoint")}
+    expected |= {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"}
+    assert expected <= set(report["paths"]), sorted(expected - set(report["paths"]))
+    loops = {f["iteration"].split("[")[0] for f in report["attention"] if f["iteration"]}
+    assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops
+    sp = [a for a in report["attention"] if a["path"].startswith("sp2/")]
+    assert sp, "no attention call in the sequence-parallel forward"
+
+
+def test_harness_sees_what_it_must() -> None:
+    """The recorder itself: a float32 q/k beside a bf16 v, and in each step of a toy sampling loop a host sync, a
+    pageable copy and CPU indices into a CUDA tensor are found, a pinned non-blocking copy is not (in-process;
+    ``pretend_cuda`` restores everything afterwards)."""
+    import torch
+    import torch.distributed as dist
+
+    from fastvideo import distributed
+
+    before = (distributed._INFO, torch.cuda.is_available(), dist.is_initialized())
+
+    def toy_sampling_loop(x: torch.Tensor) -> None:
+        for i in range(2):
+            float(x.sum())  # a host sync in each step
+            x = x + torch.tensor(0.5, device="cuda")  # a pageable, blocking host->device copy
+            x = x + torch.ones(3).pin_memory().to("cuda", non_blocking=True)  # fine: pinned and non-blocking
+            x = x + x[torch.tensor([0, 1, 2])]  # CPU indices into a CUDA tensor: device mixing
+
+    loop = fake_cuda.LoopSpec("sampling_step", toy_sampling_loop, "float", 1)
+    with fake_cuda.pretend_cuda(loops=[loop]) as rec:
+        assert distributed.info().world_size == 8 and distributed.info().device == torch.device("cuda", 0)
+        from diffusers.models import attention_dispatch
+
+        with torch.autocast("cuda", torch.bfloat16):  # CUDA autocast runs rms_norm in float32: q is float32
+            q = torch.nn.RMSNorm(16, device="cuda")(torch.randn(1, 2, 4, 16, device="cuda", dtype=torch.bfloat16))
+            v = torch.randn(1, 2, 4, 16, device="cuda", dtype=torch.bfloat16)
+            attention_dispatch.dispatch_attention_fn(q, q, v)
+        toy_sampling_loop(torch.zeros(3, device="cuda"))
+    assert (distributed._INFO, torch.cuda.is_available(), dist.is_initialized()) == before
+    assert {(a.q, a.v) for a in rec.attention} == {("torch.float32", "torch.bfloat16")}
+    found = {(f.kind, f.op, f.iteration) for f in rec.findings if f.iteration}
+    assert found == {(kind, op, f"sampling_step[i={i}]") for i in (0, 1) for kind, op in (
+        ("sync", "_local_scalar_dense"), ("answered", "_local_scalar_dense"), ("h2d", "_to_copy"), ("mix", "index"))}
