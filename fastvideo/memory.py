@@ -509,6 +509,9 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     what = "clean latents B x L x C" if old_policy else "latents B x (S+1) x L x C"
     items.append(PlanItem(f"rollout buffers: {what}, images", buffers, sde_noise, "persistent",
                           f"B={B} S={S} L={L} C={C}" + ("; host: SDE noise" if sde_noise else "")))
+    if sde_noise:  # the rollout copies one micro-batch's SDE noise to the device before its step loop
+        items.append(PlanItem(f"SDE noise of a rollout micro-batch of {rb}", 4 * rb * S * L * C, phase="rollout",
+                              note="rb x S x L x C fp32, pinned copy on the host too"))
     if gathered_latents:
         items.append(PlanItem("clean latents of the step, gathered (fp32)", 0.0, 4 * gathered_latents * L * C,
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
