@@ -973,10 +973,10 @@ def reward_metrics(rewards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"reward_{k}": v.nanmean() for k, v in rewards.items() if k != "total"}
 
 
-def rank_mean(values: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """Mean of this rank's metric values (0-d tensors, or one tensor of them), averaged over ranks (every rank has the
-    same count); one device->host copy."""
-    local = (values if torch.is_tensor(values) else torch.stack(values)).detach().float().cpu().mean()
+def rank_mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean of this rank's metric values (a tensor of them, e.g. from ``to_host``), averaged over ranks (every rank has
+    the same count)."""
+    local = values.detach().float().cpu().mean()
     return D.all_reduce_sum(local) / D.get_world_size()
 
 

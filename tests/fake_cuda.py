@@ -651,7 +651,7 @@ def pretend_cuda(world_size: int = WORLD_SIZE, loops: list[LoopSpec] | None = No
 
 
 # fastvideo.distributed's process-wide state (rank info, mesh caches): emptied for the trace, restored after it
-_DISTRIBUTED_STATE = ("_INFO", "_SP_MESH", "_MESHES", "_STORE_BARRIERS")
+_DISTRIBUTED_STATE = ("_INFO", "_MESHES", "_STORE_BARRIERS")
 
 
 def _save_state(module: types.ModuleType) -> dict[str, Any]:
