@@ -1,8 +1,18 @@
 """Generate (and score) images from a base FLUX model, a trained LoRA or a full fine-tune, for a prompt set.
 
+    python sample.py --run_dir OUT [--base] [--compare OUT/sampled/base] [--flag value ...]
     torchrun --nproc_per_node N sample.py --pretrained_model_name_or_path DIR [--lora_path OUT/final |
         --transformer_path OUT/final] --prompts FILE_OR_MANIFEST --output_dir SAMPLES [--reward SPEC]
         [--compare BASE_SAMPLES]
+
+``--run_dir OUT`` (a trainer's --output_dir) takes every setting from the run's OUT/config.json: the base model, the
+export in OUT/final (a LoRA or a full transformer, detected), --h/--w, the sampler (steps, shift, guidance, noise
+device), the text length of its embeddings, its held-out --eval_prompts (the first --eval_max_prompts,
+--eval_num_images images each), its --reward and reward paths, --device and --mixed_precision; it samples into
+OUT/sampled/final, or with ``--base`` the run's base model into OUT/sampled/base. Flags given on the command line
+win (--seed stays sample.py's own: 42). After a run: ``sample.py --run_dir OUT --base``, then
+``sample.py --run_dir OUT --compare OUT/sampled/base``. (The flag is --run_dir, not --run: torchrun's own parser
+refuses --run, a prefix of its --run_path.)
 
 Sampling is the deterministic Euler ODE of ``FluxPipeline`` (same sigmas, dynamic shift and guidance; equal images for
 the same initial noise). Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
@@ -23,18 +33,35 @@ from typing import Sequence
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import evaluation
+from fastvideo import errors, evaluation, runs
 from fastvideo.config import RewardOptions, SampleOptions, build_parser, parse_with_config, validate_sample
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Flags (every one with its unit in --help); validation happens in ``validate_sample``."""
+def build_sample_parser() -> argparse.ArgumentParser:
+    """sample.py's parser: the sampling flags and the reward flags (every one with its unit in --help)."""
     parser = build_parser((SampleOptions, RewardOptions), __doc__.split("\n\n")[0],
                           default_overrides={"reward": None},
                           help_overrides={"reward": "score every image with these weighted rewards (e.g. 'hpsv2:1.0'; "
-                                                    "default: no scoring)"},
+                                                    "default: no scoring; with --run_dir: the run's)"},
                           exclude=("nonfinite_reward",))
-    return parse_with_config(parser, argv)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__.split("\n\nSampling is")[0]
+    return parser
+
+
+def parse_run_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, str | None]:
+    """The flags, with --run_dir's settings filled in where no flag was given (``runs.apply_to_sample``), and the line
+    that tells what --run_dir took (None without --run_dir); validation happens in ``validate_sample``."""
+    parser = build_sample_parser()
+    args = parse_with_config(parser, argv)
+    if args.run_dir is None:
+        return args, None
+    return args, runs.apply_to_sample(args, runs.explicit_flags(parser, argv, args.config))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parse_run_args`` without the line."""
+    return parse_run_args(argv)[0]
 
 
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -50,8 +77,16 @@ def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Check everything, encode a prompt file, load the models, sample and score this rank's images, then rank 0
-    writes the index, the summary and (--compare) the side-by-side grid."""
+    """Check every flag and path before anything loads (a bad one: one line, exit status 2), then ``sample``."""
+    with errors.exit_on_usage_error(), errors.checking():  # a bad flag or input: one line, exit status 2
+        args, taken = parse_run_args(argv)  # --run_dir OUT: the run's settings where no flag was given
+        base = validate_sample(args)  # every flag and path, the output folder, the --compare folder: nothing loaded
+        sample(args, taken, base)
+
+
+def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> None:
+    """Encode the prompts (and check them against the reward and --compare), load the models, sample and score this
+    rank's images, then rank 0 writes the index, the summary and (--compare) the side-by-side grid."""
     from fastvideo import flux
     from fastvideo.config import save_config
     from fastvideo.data import EmbeddingDataset
@@ -62,11 +97,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fastvideo.seeding import NoiseSource
     from fastvideo.training import REWARD_PATH_FLAGS, compute_dtype
 
-    args = parse_args(argv)
-    base = validate_sample(args)  # every flag and path, the output folder and the --compare folder: nothing loaded
     dist = D.init_distributed(args.device)
     out = Path(args.output_dir)
     if dist.is_main:
+        if taken is not None:
+            print(taken, flush=True)
         save_config(args, out / "config.json")
 
     # ---- 1. prompts: a prompt file is encoded once (text encoders only), a manifest is read as it is ----------
@@ -82,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluation.check_compare_prompts(base, dataset.prompts[:n], args.compare)
 
     # ---- 2. models: reward, transformer (+ LoRA), VAE ---------------------------------------------------------
+    errors.inputs_checked()  # from here on an error is the run's (traceback), not a bad input's (one line)
     reward_fn = (build_reward(args.reward, dist.device, batch_size=args.reward_batch_size,
                               **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
                  if args.reward else None)

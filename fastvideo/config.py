@@ -235,17 +235,27 @@ class LoggingOptions:
 
 @dataclass
 class SampleOptions:
+    run_dir: str | None = opt(
+        None, "a training run's folder OUT (its --output_dir): sample its OUT/final export (LoRA or full fine-tune, "
+        "detected) with the run's base model, --h/--w, sampler (--sampling_steps, --shift, --guidance_scale, "
+        "--noise_device), text length, --eval_prompts (first --eval_max_prompts, --eval_num_images each), --reward "
+        "and its paths, --device and --mixed_precision, into OUT/sampled/final; flags given here win (not "
+        "--lora_path/--transformer_path). Named --run_dir, not --run: torchrun refuses --run (its --run_path)")
+    base: bool = opt(False, "with --run_dir: sample the run's base model with the run's settings (into "
+                            "OUT/sampled/base), for --compare")
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers FLUX folder (text encoders, VAE, and the transformer unless --transformer_path); "
-        "required")
+        "required unless --run_dir")
     lora_path: str | None = opt(None, "LoRA folder applied to the base transformer: a trainer's OUTPUT_DIR/final "
                                       "(--lora_rank > 0) or any folder FluxPipeline.load_lora_weights loads")
     transformer_path: str | None = opt(None, "full transformer folder used instead of the base one: a trainer's "
                                              "OUTPUT_DIR/final of a full fine-tune")
     prompts: str | None = opt(None, "a prompt file (one per line; encoded into OUTPUT_DIR/embeddings) or an "
-                                    "embeddings manifest written by preprocess_embeddings.py; required")
+                                    "embeddings manifest written by preprocess_embeddings.py; required unless "
+                                    "--run_dir had --eval_prompts")
     output_dir: str = opt("outputs/samples", "folder for images/, index.jsonl, summary.json, config.json and "
-                                             "compare.png; must not hold another sampling")
+                                             "compare.png; must not hold another sampling (with --run_dir: "
+                                             "OUT/sampled/final, or OUT/sampled/base with --base)")
     num_inference_steps: int = opt(28, "Euler ODE steps (FluxPipeline's default: 28)")
     guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
     h: int = opt(1024, "image height in pixels (FluxPipeline's default: 1024)")
@@ -884,8 +894,12 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     from fastvideo.evaluation import check_prompts_path, read_sample_dir
     from fastvideo.rewards import parse_reward_spec
 
+    _need(getattr(args, "run_dir", None) is not None or not getattr(args, "base", False),
+          "--base samples a training run's base model: pass --run_dir OUT too (without --run_dir, leave out "
+          "--lora_path and --transformer_path to sample a base model)")
     _need(args.pretrained_model_name_or_path is not None,
-          "--pretrained_model_name_or_path is required: a local diffusers FLUX folder")
+          "--pretrained_model_name_or_path is required (a local diffusers FLUX folder), or --run_dir OUT (a training "
+          "run)")
     model = Path(args.pretrained_model_name_or_path)
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at a "

@@ -2,11 +2,16 @@
 
     python -m fastvideo.rewards.score --reward hpsv2 --hps_checkpoint HPS_v2.1_compressed.pt \
         --images DIR_OR_RECORD [--prompts FILE] --out scores.jsonl [--device npu] [--batch_size 16]
+    python -m fastvideo.rewards.score --run_dir OUT [--images DIR --out scores.jsonl] [--device npu]
 
 ``--images`` is a folder of images (PNG/JPEG/WebP, sorted by path; ``--prompts`` then gives one prompt per line in
-that order, or JSON lines ``{"image": relative path, "prompt": ...}``) or a ``--record_dir`` recording (its images with
-their prompts; ``--prompts`` is not needed). Each output line is ``{"image", "prompt", "total", <component>: ...}``;
-``python -m fastvideo.compare A.jsonl B.jsonl`` compares two such files.
+that order, or JSON lines ``{"image": relative path, "prompt": ...}``), a ``sample.py --output_dir`` (its index.jsonl
+gives each image's prompt) or a ``--record_dir`` recording (its images with their prompts); ``--prompts`` is not
+needed for the last two. ``--run_dir OUT`` (a trainer's --output_dir) takes the reward, its path flags and --device from
+the run's OUT/config.json (flags given here win); without --images it scores ``OUT/sampled/final`` (what
+``sample.py --run_dir OUT`` wrote) into ``OUT/sampled/final/scores.jsonl`` unless --out is given. Each output line is
+``{"image", "prompt", "total", <component>: ...}``; ``python -m fastvideo.compare A.jsonl B.jsonl`` compares two such
+files.
 """
 from __future__ import annotations
 
@@ -28,7 +33,17 @@ def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]
     from fastvideo.record import read_jsonl
 
     if not images.is_dir():
-        raise FileNotFoundError(f"--images {images}: no such folder; pass a folder of images or a --record_dir")
+        raise FileNotFoundError(f"--images {images}: no such folder; pass a folder of images, a sample.py "
+                                "--output_dir or a --record_dir")
+    if (images / "index.jsonl").is_file() and (images / "config.json").is_file():  # a sample.py --output_dir
+        found = [(r["path"], images / r["path"], r["prompt"]) for r in read_jsonl(images / "index.jsonl")]
+        missing = [name for name, path, _ in found if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(f"--images {images}: its index.jsonl lists {len(missing)} image(s) that are not "
+                                    f"there, e.g. {missing[0]}")
+        if not found:
+            raise ValueError(f"--images {images}: its index.jsonl lists no images")
+        return found
     if (images / "manifest.json").is_file() and any(images.glob("samples-rank*.jsonl")):  # a recording
         rows = sorted((r for path in images.glob("samples-rank*.jsonl") for r in read_jsonl(path)),
                       key=lambda r: (r["step"], r["prompt_id"], r["sample_index"]))
@@ -89,20 +104,39 @@ def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags, with --run_dir's reward, reward paths, device and default images filled in where no flag was given
+    (``runs.apply_to_score``; its line in ``args.run_line``); ValueError / FileNotFoundError naming the fix."""
+    from fastvideo import runs
     from fastvideo.config import RewardOptions, build_parser, parse_with_config
     from fastvideo.training import REWARD_PATH_FLAGS
 
     parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
                           exclude=("nonfinite_reward",))  # a trainer's policy; this tool reports what it scores
     parser.prog = "python -m fastvideo.rewards.score"
-    parser.add_argument("--images", type=Path, required=True, help="a folder of images, or a --record_dir recording")
+    parser.add_argument("--run_dir", default=None,
+                        help="a training run's --output_dir: take its --reward, reward path flags and --device (flags "
+                             "given here win); without --images, score OUT/sampled/final (sample.py --run_dir OUT's "
+                             "output) into OUT/sampled/final/scores.jsonl")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="a folder of images, a sample.py --output_dir or a --record_dir recording; required "
+                             "unless --run_dir")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="one prompt per line in the images' sorted order, or JSON lines {image, prompt} "
-                             "(not needed for a recording)")
-    parser.add_argument("--out", type=Path, required=True, help="scores.jsonl to write")
+                             "(not needed for a sample.py folder or a recording)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="scores.jsonl to write; required unless --run_dir scores its OUT/sampled/final")
     parser.add_argument("--device", default=None, help="cuda | npu | cpu (default: first available in that order)")
     parser.add_argument("--batch_size", type=int, default=16, help="images per reward call (default: 16)")
     args = parse_with_config(parser, argv)
+    args.run_line = None
+    if args.run_dir is not None:
+        args.run_line = runs.apply_to_score(args, runs.explicit_flags(parser, argv, args.config))
+    if args.images is None:
+        raise ValueError("--images is required (a folder of images, a sample.py --output_dir or a --record_dir), or "
+                         "--run_dir OUT to score what sample.py --run_dir OUT wrote")
+    if args.out is None:
+        raise ValueError("--out is required: the scores.jsonl to write")
+    args.images, args.out = Path(args.images), Path(args.out)
     args.path_flags = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
     return args
 
@@ -111,8 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastvideo.distributed import pick_device_type
     from fastvideo.rewards import build_reward, parse_reward_spec
 
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
+        if args.run_line is not None:
+            print(args.run_line, flush=True)
         if args.batch_size < 1:
             raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
         parse_reward_spec(args.reward)
