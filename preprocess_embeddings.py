@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from fastvideo import distributed
-from fastvideo.config import add_config_flag, parse_with_config
+from fastvideo import distributed, errors
+from fastvideo.config import FlagParser, add_config_flag, parse_with_config
 from fastvideo.data import DEFAULT_SHARD_SIZE, DTYPES, open_prompt_store, write_prompt_store
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (every flag has its unit in the help)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FlagParser(description=__doc__.split("\n\n")[0])
     add_config_flag(p)
     p.add_argument("--model_path", required=True,
                    help="diffusers FLUX folder (needs text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
@@ -43,10 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Validate inputs, encode this rank's unfinished shards, then rank 0 writes the manifest."""
-    args = parse_args(argv)
-    writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
-                               max_sequence_length=args.max_sequence_length, dtype=args.dtype,
-                               shard_size=args.shard_size)
+    with errors.exit_on_usage_error(), errors.checking():  # a bad flag or path: one line, exit status 2
+        args = parse_args(argv)
+        writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
+                                   max_sequence_length=args.max_sequence_length, dtype=args.dtype,
+                                   shard_size=args.shard_size)
     dist = distributed.init_distributed(args.device)
     start = time.perf_counter()
     done = write_prompt_store(writer, device=dist.device, batch_size=args.batch_size)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import devices, flops, flux, training
+from fastvideo import devices, errors, flops, flux, training
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
@@ -31,7 +31,7 @@ from fastvideo.rollout import pair_errors, pair_noise, rollout
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(parse_dpo_args(argv), validate_dpo, plan_dpo, train)
+    training.run_main(errors.parse_or_exit(parse_dpo_args, argv), validate_dpo, plan_dpo, train)
 
 
 def train(args: argparse.Namespace) -> None:

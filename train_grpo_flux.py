@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, training
+from fastvideo import devices, errors, training
 from fastvideo import distributed as D
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.losses import first_update_check, grpo_loss, kl_loss
@@ -25,7 +25,7 @@ from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(parse_grpo_args(argv), validate_grpo, plan_grpo, train)
+    training.run_main(errors.parse_or_exit(parse_grpo_args, argv), validate_grpo, plan_grpo, train)
 
 
 def train(args: argparse.Namespace) -> None:

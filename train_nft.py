@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, training
+from fastvideo import devices, errors, training
 from fastvideo.config import parse_nft_args, validate_nft
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 from fastvideo.memory import plan_nft
@@ -27,7 +27,7 @@ from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(parse_nft_args(argv), validate_nft, plan_nft, train)
+    training.run_main(errors.parse_or_exit(parse_nft_args, argv), validate_nft, plan_nft, train)
 
 
 def train(args: argparse.Namespace) -> None:

@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fastvideo.parallel import GRADIENT_SYNC_MODES
 from fastvideo.rollout import LAST_STEP_MODES
@@ -172,7 +174,12 @@ class ParallelOptions:
 class PlanOptions:
     dry_run: bool = opt(False, "validate the flags, print the batch arithmetic and a per-rank memory plan (from the "
                                "model folder's configs, on the meta device: no weights are read), then exit")
-    dry_run_world_size: int | None = opt(None, "with --dry_run: plan for this many ranks (default: this job's)")
+    dry_run_world_size: int | None = opt(None, "with --dry_run / --check_only: plan or check for this many ranks "
+                                               "(default: this job's)")
+    check_only: bool = opt(False, "check the flags and inputs (paths, batch arithmetic for --dry_run_world_size "
+                                  "ranks, the output folder and the checkpoint --resume_from names), then exit: 0 "
+                                  "when they pass, 2 with one line naming the fix otherwise. The launchers run it "
+                                  "before starting torchrun")
     dry_run_device_memory_gb: float = opt(80.0, "with --dry_run: memory per device (GiB) to check the plan against")
     ignore_memory_plan: bool = opt(False, "start even when the per-rank memory plan (--dry_run's peak) exceeds the "
                                           "device's memory: a warning instead of the error that a GPU/NPU run gets "
@@ -417,13 +424,23 @@ def _scalar_type(annotation: Any):
     return str
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (``PROG: error: ...``, exit status 2) instead of the usage text
+    (hundreds of flags for a trainer), printed by rank 0 only under torchrun."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def build_parser(groups: Sequence[type], description: str, help_overrides: dict[str, str] | None = None,
                  default_overrides: dict[str, Any] | None = None, exclude: Sequence[str] = ()
                  ) -> argparse.ArgumentParser:
     """An argparse parser with one argument group per dataclass in ``groups`` (``help_overrides`` /
     ``default_overrides``: flag -> the help text / default a trainer needs instead of the shared one; ``exclude``:
     flags of those groups a tool does not read) and ``--config FILE`` (read by ``parse_with_config``)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = FlagParser(description=description)
     add_config_flag(parser)
     for cls in groups:
         _add_group(parser, cls, help_overrides, default_overrides, exclude)
@@ -437,11 +454,14 @@ RECORDED_KEYS = ("algorithm", "batch_arithmetic", "config")
 
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     """``--config FILE``: flag values from a YAML or JSON file; flags on the command line override them."""
-    parser.add_argument("--config", default=None, metavar="FILE",
+    parser.add_argument("--config", default=None, metavar="FILE", action="append",
                         help="YAML or JSON file of flag values (keys are flag names without --, e.g. learning_rate: "
                              "1.0e-5; lists for multi-value flags, true/false for switches, null for the default); "
-                             "flags given on the command line override it. A run's OUT/config.json reproduces the "
-                             "run; scripts/recipes/ holds FLUX.1-dev recipes")
+                             "flags given on the command line override it. Repeatable: a later file overrides an "
+                             "earlier one, and a value that conflicts with a later layer's flag (e.g. "
+                             "--timestep_fraction under --sde_window_size) is dropped with a note. A run's "
+                             "OUT/config.json reproduces the run; scripts/recipes/ holds FLUX.1-dev recipes, "
+                             "scripts/demos/ the demos' values")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -509,18 +529,105 @@ def config_tokens(parser: argparse.ArgumentParser, data: dict[str, Any], source:
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv`` (default: sys.argv) with the flags of ``--config FILE`` in front, so that flags on the command
-    line override the file's values; the file path stays in ``args.config``."""
-    import sys
-
+    """Parse ``argv`` (default: sys.argv) with the flags of each ``--config FILE`` in front, in order, so that a later
+    file overrides an earlier one and the command line overrides them all; the file paths stay in ``args.config`` (a
+    list). Where a lower layer's value conflicts with a higher layer's flag (``EXCLUSIONS``), the lower one yields:
+    it is reset to its default and a note says so (``resolve_layer_conflicts``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
+    pre.add_argument("--config", default=None, action="append")
     known, _ = pre.parse_known_args(argv)
-    if known.config is None:
+    if not known.config:
         return parser.parse_args(argv)
-    tokens = config_tokens(parser, read_config_file(known.config), known.config)
-    return parser.parse_args(tokens + argv)
+    layers = [(f"--config {path}", config_tokens(parser, read_config_file(path), path)) for path in known.config]
+    layers.append(("the command line", argv))
+    args = parser.parse_args([token for _, tokens in layers for token in tokens])
+    for note in resolve_layer_conflicts(parser, args, layers):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {note}", file=sys.stderr, flush=True)
+    return args
+
+
+def flags_given(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> set[str]:
+    """The flag names (dests) that ``tokens`` set explicitly, however spelled (``--h 64``, ``--h=64``, a prefix) and
+    whatever their values: parsed into a namespace that already holds a marker for every flag, where argparse leaves
+    the marker for each flag not given (it only fills in defaults of attributes the namespace lacks)."""
+    unset = object()
+    dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}  # --config appends: no marker
+    given, _ = parser.parse_known_args(list(tokens), argparse.Namespace(**dict.fromkeys(dests, unset)))
+    return {k for k in dests if getattr(given, k) is not unset}
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Two flags a validator refuses together: ``clash(args, defaults)`` says whether their values do."""
+
+    a: str
+    b: str
+    clash: Callable[[argparse.Namespace, dict[str, Any]], bool]
+
+
+# Every pair of flags that validate_common / validate_sampling / validate_grpo / validate_dpo / validate_nft /
+# validate_sample refuse together (tests/test_flag_layers.py checks each is refused on one command line and yields
+# across layers). DPO's offline mode (--preference_file) excludes each of its online-only flags.
+DPO_ONLINE_ONLY = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type", "sde_window_size",
+                   "sde_window_range", "init_same_noise", "decode_x0", "last_step", "replay_images")
+EXCLUSIONS: tuple[Exclusion, ...] = (
+    Exclusion("sde_window_size", "timestep_fraction",
+              lambda a, d: a.sde_window_size > 0 and a.timestep_fraction is not None),
+    Exclusion("sde_window_size", "sde_window_range",
+              lambda a, d: a.sde_window_size == 0 and bool(changed_flags(a, ("sde_window_range",), d))),
+    Exclusion("last_step", "sde_window_range",
+              lambda a, d: a.last_step == "ode" and a.sde_window_size > 0 and a.sde_window_range is not None
+              and a.sde_window_range[1] == a.sampling_steps),
+    Exclusion("kl_beta", "sde_window_range",  # GRPO: CPS has no KL at its last step (sigma' = 0)
+              lambda a, d: getattr(a, "sde_type", None) == "cps" and a.kl_beta > 0 and a.sde_window_size > 0
+              and a.sde_window_range is not None and a.sde_window_range[1] == a.sampling_steps),
+    Exclusion("lr_scheduler", "lr_warmup_steps", lambda a, d: a.lr_scheduler == "constant" and a.lr_warmup_steps > 0),
+    Exclusion("fsdp_version", "gradient_sync", lambda a, d: a.fsdp_version == 1 and a.gradient_sync == "step"),
+    Exclusion("fsdp_version", "sp_size", lambda a, d: a.fsdp_version == 1 and a.sp_size > 1),
+    Exclusion("sampler", "eta", lambda a, d: a.sampler == "ode" and a.eta not in (None, 0.0)),
+    Exclusion("sampler", "sde_window_size", lambda a, d: a.sampler == "ode" and a.sde_window_size > 0),
+    Exclusion("sampler", "init_same_noise", lambda a, d: a.sampler == "ode" and a.init_same_noise),
+    *(Exclusion("preference_file", key, lambda a, d, key=key: a.preference_file is not None
+                and bool(changed_flags(a, (key,), d)))
+      for key in DPO_ONLINE_ONLY),
+    Exclusion("lora_path", "transformer_path", lambda a, d: a.lora_path is not None and a.transformer_path is not None),
+)
+
+
+def _shown(args: argparse.Namespace, key: str) -> str:
+    value = getattr(args, key)
+    if isinstance(value, bool):
+        return f"--{key}" if value else f"--no-{key}"
+    if isinstance(value, (list, tuple)):
+        return f"--{key} {' '.join(map(str, value))}"
+    return f"--{key} {value}"
+
+
+def resolve_layer_conflicts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                            layers: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
+    """Let a lower layer's value yield where it conflicts with a higher layer's flag (``EXCLUSIONS``): e.g. a demo's
+    ``--timestep_fraction 1.0`` (its --config file) under the user's ``--sde_window_size 2`` is reset to its default.
+    Conflicts within one layer are left to the validators (an error naming both flags). Returns the notes to print."""
+    dests = {a.dest for a in parser._actions}
+    origin: dict[str, int] = {}  # flag -> index of the highest layer that sets it
+    for index, (_, tokens) in enumerate(layers):
+        for key in flags_given(parser, tokens):
+            origin[key] = index
+    defaults = {key: parser.get_default(key) for key in dests}
+    notes = []
+    for ex in EXCLUSIONS:
+        if ex.a not in dests or ex.b not in dests or ex.a not in origin or ex.b not in origin:
+            continue
+        if origin[ex.a] == origin[ex.b] or not ex.clash(args, defaults):
+            continue
+        low, high = (ex.a, ex.b) if origin[ex.a] < origin[ex.b] else (ex.b, ex.a)
+        notes.append(f"{_shown(args, low)} (from {layers[origin[low]][0]}) dropped: {_shown(args, high)} (from "
+                     f"{layers[origin[high]][0]}) excludes it")
+        setattr(args, low, defaults[low])
+        del origin[low]
+    return notes
 
 
 def field_defaults(groups: Sequence[type]) -> dict[str, Any]:
@@ -764,11 +871,16 @@ def _group_arithmetic(args: argparse.Namespace, world_size: int, trained: int) -
             "world_size": world_size}
 
 
-def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the GRPO trainer's flags (validation happens in ``validate_grpo``)."""
+def grpo_parser() -> argparse.ArgumentParser:
+    """The GRPO trainer's flags."""
     parser = build_parser(GRPO_GROUPS, "GRPO post-training of a FLUX transformer (torchrun + FSDP).")
     parser.set_defaults(algorithm="grpo")  # recorded in config.json and every checkpoint's meta.json
-    return parse_with_config(parser, argv)
+    return parser
+
+
+def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the GRPO trainer's flags (validation happens in ``validate_grpo``)."""
+    return parse_with_config(grpo_parser(), argv)
 
 
 def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
@@ -791,8 +903,7 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
             raise FileNotFoundError(f"--preference_file {path}: no such file; write JSON lines {{\"prompt\": ..., "
                                     "\"chosen\": IMAGE, \"rejected\": IMAGE}} (python -m fastvideo.preference makes "
                                     "one from sampled images)")
-        online_only = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type",
-                       "sde_window_size", "sde_window_range", "init_same_noise", "decode_x0", "last_step")
+        online_only = tuple(k for k in DPO_ONLINE_ONLY if k != "replay_images")  # that one has its own message
         changed = changed_flags(args, online_only, defaults)
         _need(not args.replay_images, "offline DPO (--preference_file) scores no images: --replay_images would do "
                                       "nothing; drop it (--replay_dir alone replays the recorded noise)")
@@ -832,12 +943,17 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
             "world_size": world_size}
 
 
-def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the DPO trainer's flags (validation happens in ``validate_dpo``)."""
+def dpo_parser() -> argparse.ArgumentParser:
+    """The DPO trainer's flags."""
     parser = build_parser(DPO_GROUPS, "Online or offline Diffusion-DPO of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
     parser.set_defaults(algorithm="dpo")  # recorded in config.json and every checkpoint's meta.json
-    return parse_with_config(parser, argv)
+    return parser
+
+
+def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the DPO trainer's flags (validation happens in ``validate_dpo``)."""
+    return parse_with_config(dpo_parser(), argv)
 
 
 # sampling flags an ODE (old-policy) rollout has no use for
@@ -875,12 +991,17 @@ def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     return _group_arithmetic(args, world_size, trained)
 
 
-def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the DiffusionNFT trainer's flags (validation happens in ``validate_nft``)."""
+def nft_parser() -> argparse.ArgumentParser:
+    """The DiffusionNFT trainer's flags."""
     parser = build_parser(NFT_GROUPS, "DiffusionNFT post-training of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
     parser.set_defaults(algorithm="nft")  # recorded in config.json and every checkpoint's meta.json
-    return parse_with_config(parser, argv)
+    return parser
+
+
+def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the DiffusionNFT trainer's flags (validation happens in ``validate_nft``)."""
+    return parse_with_config(nft_parser(), argv)
 
 
 # sample.py flags that must equal the --compare folder's (the same noise and sampler, or the grid compares nothing)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fastvideo import devices
+from fastvideo.errors import USAGE_STATUS, UsageError, usage_line
 
 _BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
@@ -338,6 +339,18 @@ def store_barrier(name: str, timeout_minutes: float = STORE_BARRIER_MINUTES, pol
             time.sleep(0.01)
 
 
+_USAGE_MARK = "usage: "  # a published cause that is a UsageError (already printed once by the rank that raised it)
+
+
+def _exit_for_peer(rank: int, cause: str) -> None:
+    """End this rank because a peer failed: print the cause (not a usage error's: printed once already) and exit
+    with status 1 (2 for a usage error)."""
+    if cause.startswith(_USAGE_MARK):
+        os._exit(USAGE_STATUS)
+    print(f"[rank {rank}] stopping: {cause}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 @contextmanager
 def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
     """Run a job's body so that an exception on one rank ends every rank within seconds, with its message.
@@ -347,7 +360,9 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
     rank's own exit can block in NCCL/W&B teardown. Here the raising rank prints its traceback, publishes
     ``rank r: Error: message`` in the job's TCP store and leaves at once (``os._exit(1)``: no teardown to block
     in); a watchdog thread on every rank polls that key and ends its rank the same way, printing the cause.
-    torchrun reports the job as failed. At world size 1 exceptions propagate unchanged.
+    torchrun reports the job as failed. A ``UsageError`` (a bad flag or input, ``errors``) is printed once for the
+    job as one line, without a traceback, and every rank exits with status 2. At world size 1 exceptions propagate
+    unchanged.
     """
     if not is_distributed():
         yield
@@ -361,9 +376,8 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
             try:
                 if store.check([_FAILED_KEY]):
                     cause = store.get(_FAILED_KEY).decode()
-                    print(f"[rank {rank}] stopping: {cause}", file=sys.stderr, flush=True)
                     store.add(_FAILED_KEY + "/acks", 1)
-                    os._exit(1)
+                    _exit_for_peer(rank, cause)
             except Exception:  # noqa: BLE001  (store gone: the job is ending anyway)
                 return
 
@@ -371,11 +385,18 @@ def fail_fast(poll_seconds: float = 1.0) -> Iterator[None]:
     try:
         yield
     except PeerFailed as err:  # a peer's error, already published: end like the watchdog does
-        print(f"[rank {rank}] stopping: {err}", file=sys.stderr, flush=True)
         try:
             store.add(_FAILED_KEY + "/acks", 1)
         finally:
-            os._exit(1)
+            _exit_for_peer(rank, str(err))
+    except UsageError as err:  # a bad flag or input (every rank raises it alike): one line for the job, exit 2
+        try:
+            if store.add(_FAILED_KEY + "/usage", 1) == 1:
+                print(usage_line(err), file=sys.stderr, flush=True)
+            store.set(_FAILED_KEY, _USAGE_MARK + str(err)[:2000])
+        finally:
+            sys.stdout.flush()
+            os._exit(USAGE_STATUS)
     except Exception as err:  # noqa: BLE001
         traceback.print_exc()
         cause = f"rank {rank} failed: {type(err).__name__}: {err}"

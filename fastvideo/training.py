@@ -18,7 +18,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import devices, flops, flux, lora, parallel, preemption, weights
+from fastvideo import devices, errors, flops, flux, lora, parallel, preemption, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -186,10 +186,33 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
 def run_main(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]],
              plan: Callable[..., Any], train: Callable[[argparse.Namespace], None]) -> None:
     """A trainer's entry point: with --dry_run print the batch arithmetic and the per-rank memory plan from the
-    configs alone (``dry_run``); otherwise ``train(args)`` in the process group torchrun describes (``launch``)."""
-    if args.dry_run:
-        return dry_run(args, validate, plan)
-    launch(args, train)
+    configs alone (``dry_run``), with --check_only check the flags and inputs (``check_only``); otherwise
+    ``train(args)`` in the process group torchrun describes (``launch``). A bad flag or input found before the models
+    load is one line and exit status 2 (``errors``)."""
+    with errors.exit_on_usage_error():
+        if args.dry_run or args.check_only:
+            with errors.checking():
+                return dry_run(args, validate, plan) if args.dry_run else check_only(args, validate)
+        launch(args, train)
+
+
+def check_only(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> None:
+    """``--check_only``: in one process, before torchrun starts (the launchers), what every rank would check first:
+    the flags and batch arithmetic for --dry_run_world_size ranks (default: this job's), the memory flags, a writable
+    --output_dir, and the checkpoint --resume_from names (complete, same algorithm and run-defining flags). Loads
+    nothing; the checks that need the job (the memory plan against the device, the reward's files) run at its
+    start."""
+    _, launched_world = D.launch_env()
+    world = args.dry_run_world_size or launched_world
+    device = torch.device((args.device or D.pick_device_type()).split(":")[0])
+    counts = with_sp_counts(validate(args, D.data_parallel_size(args.sp_size, world)), args.sp_size)
+    resolve_device_defaults(args, device.type)
+    check_memory_flags(args, world, device)
+    check_output_dir(args.output_dir)
+    resume_dir = resolve_resume(args)
+    if resume_dir is not None:
+        check_resume_step(resume_dir, args.max_train_steps)
+        check_resume_checkpoint(resume_dir, run_config(args, counts))
 
 
 def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]) -> None:
@@ -202,7 +225,7 @@ def launch(args: argparse.Namespace, train: Callable[[argparse.Namespace], None]
     D.init_distributed(args.device, timeout_minutes=args.dist_timeout_minutes, cpu_collectives=args.use_cpu_offload)
     if switches and D.is_main_process():
         print("--deterministic: " + "; ".join(switches), flush=True)
-    with preemption.stop_on_signals(), D.fail_fast():
+    with preemption.stop_on_signals(), D.fail_fast(), errors.checking():  # checking until Run.load_models
         train(args)
     D.cleanup()
 
@@ -584,6 +607,7 @@ class Run:
         from fastvideo.rewards import build_reward
 
         args = self.args
+        errors.inputs_checked()  # from here on an error is the run's (traceback), not a bad flag's (one line)
         if self.dist.is_main:
             save_config(self.config, self.out / "config.json")
         self.memory_baseline = current_memory_gb(self.device, import_model_libraries=True)

@@ -10,7 +10,8 @@ esac
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
+MASTER_PORT=${MASTER_PORT:-}  # unset on one node: torchrun --standalone picks a free port (scripts/_torchrun.sh)
+. scripts/_torchrun.sh  # rendezvous_args
 DRY_RUN=0
 for arg in "$@"; do if [ "$arg" = "--dry_run" ]; then DRY_RUN=1; fi; done
 
@@ -20,7 +21,7 @@ demo_data() {
   DATA_JSON=${DATA_JSON:-$DATA_DIR/tiny-flux-embeddings/manifest.json}
   NPROC_PER_NODE=${NPROC_PER_NODE:-1}
   if [ ! -f "$DATA_JSON" ]; then
-    DATA_DIR=$DATA_DIR DATA_JSON=$DATA_JSON NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) \
+    DATA_DIR=$DATA_DIR DATA_JSON=$DATA_JSON NPROC_PER_NODE=1 NNODES=1 MASTER_PORT= \
       bash scripts/preprocess_flux_embeddings.sh
   fi
 }
@@ -28,7 +29,7 @@ demo_data() {
 # The toy-world default (no MODEL_PATH): the pretrained toy FLUX (from the shipped weights; TOY_PRETRAIN=1 trains it
 # from scratch, ~10 min), its train / held-out prompt files and their embeddings, each built in DATA_DIR if absent.
 # Sets MODEL, DATA_JSON (train prompts), EVAL_JSON (held-out prompts), NPROC_PER_NODE and TOY_ARGS (the flags every
-# toy-world demo shares: size, sampler, reward, evaluation on 128 held-out prompts).
+# toy-world demo shares: scripts/demos/toyworld.yaml, the model and the train / held-out prompts).
 toy_data() {
   MODEL=$DATA_DIR/toy-flux
   NPROC_PER_NODE=${NPROC_PER_NODE:-1}
@@ -46,14 +47,14 @@ toy_data() {
   for split in train heldout; do
     if [ ! -f "$DATA_DIR/toyworld-$split/manifest.json" ]; then
       MODEL_PATH=$MODEL PROMPT_FILE=$prompts/$split.txt DATA_JSON=$DATA_DIR/toyworld-$split/manifest.json \
-        NPROC_PER_NODE=1 MASTER_PORT=$((MASTER_PORT + 1)) bash scripts/preprocess_flux_embeddings.sh \
+        NPROC_PER_NODE=1 NNODES=1 MASTER_PORT= bash scripts/preprocess_flux_embeddings.sh \
         --max_sequence_length 16
     fi
   done
   DATA_JSON=${DATA_JSON:-$DATA_DIR/toyworld-train/manifest.json}
   EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-heldout/manifest.json}
-  TOY_ARGS=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --eval_prompts "$EVAL_JSON"
-            --eval_max_prompts 128 --reward toyworld:1.0 --device cpu --h 64 --w 64 --sampling_steps 8 --shift 1)
+  TOY_ARGS=(--config scripts/demos/toyworld.yaml --pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON"
+            --eval_prompts "$EVAL_JSON")
 }
 
 # A real model (MODEL_PATH): its embeddings must exist (a plan does not need them).
@@ -66,24 +67,27 @@ real_data() {
   fi
 }
 
-# launch TRAINER.py ARGS...: --dry_run plans for NPROC_PER_NODE x NNODES ranks in one process; else torchrun (this
-# node's agent: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT). torchrun replaces the shell (exec), so a SIGTERM (Slurm,
-# kill) reaches it rather than ending a bash that would leave it behind; it forwards the signal to its workers, which
-# finish the current step, checkpoint and exit 0, and SIGKILLs them only after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
-# (SHUTDOWN_TIMEOUT, default 900; torchrun's own default, 30 s, is too short for a FLUX step and a checkpoint).
-# PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (CUDA's caching allocator grows segments in place
-# instead of leaving fragments of fixed-size ones: less memory lost between the rollout, decode and update phases);
-# a value you set, or a PYTORCH_ALLOC_CONF (torch's newer name), is left as it is.
+# launch TRAINER.py ARGS...: --dry_run plans for NPROC_PER_NODE x NNODES ranks in one process; else the flags and
+# inputs are checked first in one process (--check_only: a bad flag is one line naming the fix and exit status 2,
+# before torchrun starts), then torchrun (this node's agent; rendezvous_args: --standalone on a free port for one node
+# without MASTER_PORT, else NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT). torchrun replaces the shell (exec), so a
+# SIGTERM (Slurm, kill) reaches it rather than ending a bash that would leave it behind; it forwards the signal to its
+# workers, which finish the current step, checkpoint and exit 0, and SIGKILLs them only after
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (SHUTDOWN_TIMEOUT, default 900; torchrun's own default, 30 s, is too short
+# for a FLUX step and a checkpoint). PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (CUDA's caching
+# allocator grows segments in place instead of leaving fragments of fixed-size ones: less memory lost between the
+# rollout, decode and update phases); a value you set, or a PYTORCH_ALLOC_CONF (torch's newer name), is left as it is.
 launch() {
   local script=$1
   shift
   if [ "$DRY_RUN" = 1 ]; then
     exec "$PYTHON" "$script" --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@"
   fi
+  "$PYTHON" "$script" --check_only --dry_run_world_size "$((NPROC_PER_NODE * NNODES))" "$@" || exit $?
   export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-900}
   if [ -z "${PYTORCH_ALLOC_CONF:-}" ]; then
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   fi
-  exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$script" "$@"
+  rendezvous_args
+  exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_RDZV[@]}" --nproc_per_node "$NPROC_PER_NODE" "$script" "$@"
 }

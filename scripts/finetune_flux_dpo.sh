@@ -8,14 +8,18 @@
 #     bash scripts/finetune_flux_dpo.sh [--flag value ...]   # online FLUX.1-dev recipe (8 GPUs); any flag overridable
 #   MODEL_PATH=... PREFERENCE_FILE=/data/pairs.jsonl bash scripts/finetune_flux_dpo.sh   # offline FLUX.1-dev
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
-#      NODE_RANK, MASTER_ADDR, MASTER_PORT (multi-node: run this on every node with its NODE_RANK; Slurm:
+#      NODE_RANK, MASTER_ADDR, MASTER_PORT (one node without MASTER_PORT: torchrun --standalone on a free port;
+#      multi-node: run this on every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT; Slurm:
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
 #      PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or PYTORCH_ALLOC_CONF is set),
 #      PYTHON (python), HPS_CHECKPOINT (online real runs), PREFERENCE_FILE, RECIPE (with MODEL_PATH: the --config
 #      recipe, default scripts/recipes/dpo.yaml or dpo_offline.yaml; relative to the repo root),
 #      DEMO (toyworld | jpeg), TOY_PRETRAIN (1: pretrain the toy FLUX from scratch), EVAL_JSON (held-out manifest).
-# Everything after the script name is passed to train_dpo.py and wins over the defaults below.
+# Everything after the script name is passed to train_dpo.py and wins over the defaults below
+# (the demo or recipe values come as --config files under the command line: one that conflicts with a flag you
+# append, e.g. --timestep_fraction with --sde_window_size, is dropped with a note). Flags are checked in one process
+# (--check_only) before torchrun starts: a bad flag is one line naming the fix, exit status 2.
 # Both modes pass --resume_from latest: re-running after a preemption continues from the newest checkpoint.
 # --dry_run prints the batch arithmetic and the per-rank memory plan for NPROC_PER_NODE x NNODES ranks and exits
 # (one process, no torchrun, no weights or embeddings needed; add --device cuda on a machine without GPUs).
@@ -25,22 +29,19 @@ PREFERENCE_FILE=${PREFERENCE_FILE:-}
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ] && [ -z "$PREFERENCE_FILE" ]; then
-  # Toy-world default: online DPO of the pretrained toy FLUX (full fine-tune; best vs worst of each prompt's samples
-  # under the verifiable toyworld reward); held-out accuracy every 15 steps (eval_* metrics, samples/eval-step-*.png).
+  # Toy-world default: online DPO of the pretrained toy FLUX (best vs worst of each prompt's samples under the
+  # verifiable toyworld reward), held-out accuracy every 15 steps; the values: scripts/demos/toyworld.yaml +
+  # dpo_toyworld.yaml (flags you append win).
   toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-toyworld}
-  set -- "${TOY_ARGS[@]}" --output_dir "$OUTPUT_DIR" --sampler sde --sde_type flow_sde --eta 0.7 \
-    --num_generations 8 --prompts_per_step 8 --rollout_batch_size 64 --train_batch_size 8 --beta_dpo 200 \
-    --learning_rate 1e-4 --max_grad_norm 1.0 --max_train_steps 150 --eval_every 15 --sample_every 50 \
-    --checkpointing_steps 75 --checkpoints_total_limit 1 --seed 0 --resume_from latest "$@"
+  set -- "${TOY_ARGS[@]}" --config scripts/demos/dpo_toyworld.yaml --output_dir "$OUTPUT_DIR" \
+    --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 elif [ -z "${MODEL_PATH:-}" ]; then
   # DEMO=jpeg (and PREFERENCE_FILE=demo): the tiny FLUX folder and its embeddings (built if absent), DPO on the CPU
-  # with a weight-free reward (JPEG compressibility). Settings chosen by measurement over seeds against an lr-0
-  # control (README).
+  # with a weight-free reward (JPEG compressibility); the values: scripts/demos/dpo_jpeg.yaml (offline:
+  # dpo_jpeg_offline.yaml).
   demo_data  # MODEL, DATA_JSON, NPROC_PER_NODE; builds the tiny model and embeddings if absent
-  COMMON=(--pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" --device cpu --h 64 --w 64
-          --sampling_steps 8 --beta_dpo 200 --learning_rate 3e-4 --max_grad_norm 1.0 --seed 0)
   if [ -n "$PREFERENCE_FILE" ]; then
     if [ "$PREFERENCE_FILE" = demo ]; then  # the best and worst of 4 samples per prompt, scored by the demo reward
       PREFERENCE_FILE=$DATA_DIR/tiny-flux-pairs/pairs.jsonl
@@ -51,18 +52,13 @@ elif [ -z "${MODEL_PATH:-}" ]; then
       fi
     fi
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-tiny-offline}
-    # 64 pairs, 25 passes over them: a lower lr than online (3e-4 drives both errors far from the reference)
-    set -- "${COMMON[@]}" --output_dir "$OUTPUT_DIR" --preference_file "$PREFERENCE_FILE" --prompts_per_step 8 \
-      --learning_rate 3e-5 --train_batch_size 8 --max_train_steps 200 --sample_every 50 --checkpointing_steps 100 \
-      --checkpoints_total_limit 1 --resume_from latest "$@"
+    set -- --config scripts/demos/dpo_jpeg_offline.yaml --pretrained_model_name_or_path "$MODEL" \
+      --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --preference_file "$PREFERENCE_FILE" \
+      --resume_from latest "$@"
   else
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-tiny}
-    # the SDE sampler (flow_sde, eta 0.7, as the GRPO demo) spreads a group's rewards more than ODE: -8.6% vs -6.1%
-    # JPEG size over 3 seeds (README)
-    set -- "${COMMON[@]}" --output_dir "$OUTPUT_DIR" --sampler sde --sde_type flow_sde --eta 0.7 \
-      --num_generations 8 --prompts_per_step 4 \
-      --rollout_batch_size 32 --train_batch_size 4 --reward jpeg_compressibility:1.0 --max_train_steps 600 \
-      --sample_every 100 --checkpointing_steps 300 --checkpoints_total_limit 1 --resume_from latest "$@"
+    set -- --config scripts/demos/dpo_jpeg.yaml --pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON" \
+      --output_dir "$OUTPUT_DIR" --resume_from latest "$@"
   fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 else

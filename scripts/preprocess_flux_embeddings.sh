@@ -3,7 +3,7 @@
 #   MODEL_PATH=/models/FLUX.1-dev PROMPT_FILE=prompts.txt DATA_DIR=data bash scripts/preprocess_flux_embeddings.sh [extra flags]
 # Without MODEL_PATH it builds the tiny FLUX folder in $DATA_DIR/tiny-flux and encodes assets/prompts.txt.
 # Env: MODEL_PATH, PROMPT_FILE (assets/prompts.txt), DATA_DIR (data), DATA_JSON (output manifest path),
-#      NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, PYTHON (python),
+#      NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (one node without it: a free port), PYTHON,
 #      MAX_SEQUENCE_LENGTH (tiny default only: 64), PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or
 #      PYTORCH_ALLOC_CONF is set). Extra args go to the script.
 set -euo pipefail
@@ -14,7 +14,8 @@ PROMPT_FILE=${PROMPT_FILE:-assets/prompts.txt}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29501}
+MASTER_PORT=${MASTER_PORT:-}  # unset on one node: torchrun --standalone picks a free port
+. scripts/_torchrun.sh  # rendezvous_args
 if [ -z "${MODEL_PATH:-}" ]; then
   MODEL_PATH=$DATA_DIR/tiny-flux
   if [ ! -f "$MODEL_PATH/model_index.json" ]; then
@@ -31,7 +32,6 @@ OUT_DIR=$(dirname "$DATA_JSON")
 if [ -z "${PYTORCH_ALLOC_CONF:-}" ]; then  # as the training launchers: kept when set (either name)
   export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 fi
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m torch.distributed.run \
-  --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-  preprocess_embeddings.py --model_path "$MODEL_PATH" --prompt_file "$PROMPT_FILE" --output_dir "$OUT_DIR" "$@"
+rendezvous_args
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" -m torch.distributed.run "${TORCHRUN_RDZV[@]}" \
+  --nproc_per_node "$NPROC_PER_NODE" preprocess_embeddings.py --model_path "$MODEL_PATH" --prompt_file "$PROMPT_FILE" --output_dir "$OUT_DIR" "$@"

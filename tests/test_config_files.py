@@ -27,7 +27,7 @@ def _round_trip(tmp_path: Path, parse, validate, flags: list[str], world: int = 
     C.save_config(config, path)
     again = parse(["--config", str(path)])
     config2 = run_config(again, validate(again, world))
-    assert again.config == str(path)
+    assert again.config == [str(path)]
     assert json.loads(json.dumps({**config2, "config": None}, default=str)) == \
         json.loads(json.dumps({**config, "config": None}, default=str))
 

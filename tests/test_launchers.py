@@ -289,3 +289,55 @@ def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     assert "old policy: second transformer (fp32 master, sharded)" in full
     assert "reference policy (frozen, compute dtype)" in full and "fits in 80 GiB" in full
     assert not (tmp_path / "plan").exists()
+
+
+def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp_path, demo_data_dir):
+    """Appending a flag that excludes one of the demo's values (the demo's --timestep_fraction 1.0 under
+    --sde_window_size 2) trains, the demo value dropped with a note; a bad flag is one line, exit status 2, from the
+    launcher's check before torchrun starts (no torchrun output, no traceback)."""
+    env = _demo_env(tmp_path, demo_data_dir)
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sde_type", "cps", "--sde_window_size", "2",
+                           "--max_train_steps", "1", "--eval_max_prompts", "4", "--sample_every", "0"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "note: --timestep_fraction 1.0 (from --config scripts/demos/grpo_toyworld.yaml) dropped" in proc.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["sde_type"], config["sde_window_size"], config["timestep_fraction"]) == ("cps", 2, None)
+    assert config["config"] == ["scripts/demos/toyworld.yaml", "scripts/demos/grpo_toyworld.yaml"]
+
+    bad = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--clip_range", "0"], cwd=REPO,
+                         env=_demo_env(tmp_path, demo_data_dir, "bad"), capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout[-2000:]
+    assert bad.stderr.strip().splitlines() == ["train_grpo_flux.py: error: --clip_range must be > 0, got 0.0"]
+
+
+def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path, demo_data_dir):
+    """Without MASTER_PORT a single-node launch rendezvouses on a free port (torchrun --standalone): two demo runs
+    started together on one machine both train (with the fixed port of before, the second died with EADDRINUSE)."""
+    subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--dry_run"], cwd=REPO,  # builds the data once, first
+                   env=_demo_env(tmp_path, demo_data_dir, "warm"), capture_output=True, timeout=600, check=True)
+    procs = []
+    for name in ("a", "b"):
+        env = _demo_env(tmp_path, demo_data_dir, name)
+        env.pop("MASTER_PORT")
+        procs.append(subprocess.Popen(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "1",
+                                       "--eval_every", "0", "--eval_max_prompts", "2", "--sample_every", "0"],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for name, proc in zip("ab", procs):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-2000:] + err[-3000:]
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == 1
+
+
+def test_launchers_rendezvous_flags(tmp_path):
+    """One node without MASTER_PORT: --standalone; MASTER_PORT given, or several nodes: the address and port."""
+    for env_vars, expected in (({"MASTER_PORT": None}, ["--standalone"]),
+                               ({"MASTER_PORT": "29555"}, ["--master_port", "29555"]),
+                               ({"MASTER_PORT": None, "NNODES": "2", "MASTER_ADDR": "10.0.0.1"},
+                                ["--master_addr", "10.0.0.1", "--master_port", "29500"])):
+        for script in (*LAUNCHERS, "scripts/preprocess_flux_embeddings.sh"):
+            argv = launcher_argv(tmp_path, script, **env_vars)
+            joined = " ".join(argv)
+            assert " ".join(expected) in joined, (script, env_vars, argv)
+            assert ("--standalone" in argv) == (expected == ["--standalone"])

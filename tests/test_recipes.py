@@ -177,7 +177,7 @@ def test_recipe_parses_and_validates(recipe, tmp_path):
     pairs.write_text("")
     args = parse(["--config", str(recipe), "--pretrained_model_name_or_path", str(model), "--data_json_path",
                   str(manifest), *_extra_flags(recipe, pairs)])
-    assert args.config == str(recipe)
+    assert args.config == [str(recipe)]
     for key, value in yaml.safe_load(recipe.read_text()).items():  # a null keeps the parser's default
         if value is not None:
             got = list(getattr(args, key)) if isinstance(value, list) else getattr(args, key)
