@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -41,6 +42,16 @@ def _main_in_process(argv):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main([str(a) for a in argv])
+
+
+def _refused(capsys, argv, pattern: str) -> None:
+    """``main(argv)`` refuses its input before loading anything: one line ``PROG: error: ...`` matching
+    ``pattern``, exit status 2 (the message of the ValueError / FileNotFoundError the check raised)."""
+    with pytest.raises(SystemExit) as stop:
+        _main_in_process(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and ": error: " in lines[0]
+    assert re.search(pattern, lines[0]), lines[0]
 
 
 def _tensors(out):
@@ -138,36 +149,31 @@ def _argv(model, prompt_file, out, msl=MSL):
     return ["--model_path", model, "--prompt_file", prompt_file, "--output_dir", out, "--max_sequence_length", msl]
 
 
-def test_empty_prompt_file(tiny_flux_dir, tmp_path):
+def test_empty_prompt_file(tiny_flux_dir, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n   \n")
-    with pytest.raises(ValueError, match="contains no prompts"):
-        _main_in_process(_argv(tiny_flux_dir, empty, tmp_path / "out"))
+    _refused(capsys, _argv(tiny_flux_dir, empty, tmp_path / "out"), "contains no prompts")
 
 
-def test_non_utf8_line_names_its_number(tiny_flux_dir, tmp_path):
+def test_non_utf8_line_names_its_number(tiny_flux_dir, tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_bytes("fine\n\nalso fine\n".encode() + "latin-1 caf\xe9\n".encode("latin-1"))
-    with pytest.raises(ValueError, match="line 4: not valid UTF-8"):
-        _main_in_process(_argv(tiny_flux_dir, bad, tmp_path / "out"))
+    _refused(capsys, _argv(tiny_flux_dir, bad, tmp_path / "out"), "line 4: not valid UTF-8")
 
 
-def test_missing_model_folder(prompt_file, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope"):
-        _main_in_process(_argv(tmp_path / "nope", prompt_file, tmp_path / "out"))
+def test_missing_model_folder(prompt_file, tmp_path, capsys):
+    _refused(capsys, _argv(tmp_path / "nope", prompt_file, tmp_path / "out"), "nope")
 
 
-def test_refuses_output_of_another_length_or_model(runs, tiny_flux_dir, prompt_file, tmp_path):
+def test_refuses_output_of_another_length_or_model(runs, tiny_flux_dir, prompt_file, tmp_path, capsys):
     two = runs[1]
     before = sorted((p.name, p.stat().st_mtime_ns) for p in two.iterdir())
-    with pytest.raises(ValueError, match="max_sequence_length=32.*--output_dir"):
-        _main_in_process(_argv(tiny_flux_dir, prompt_file, two, msl=MSL + 1))
+    _refused(capsys, _argv(tiny_flux_dir, prompt_file, two, msl=MSL + 1), "max_sequence_length=32.*--output_dir")
     other = tmp_path / "other-model"
     shutil.copytree(tiny_flux_dir, other)
     config_path = other / "text_encoder_2" / "config.json"
     config = json.loads(config_path.read_text())
     config["dropout_rate"] = 0.5  # different text encoder config -> different fingerprint
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="encoders_fingerprint.*--output_dir"):
-        _main_in_process(_argv(other, prompt_file, two))
+    _refused(capsys, _argv(other, prompt_file, two), "encoders_fingerprint.*--output_dir")
     assert sorted((p.name, p.stat().st_mtime_ns) for p in two.iterdir()) == before  # nothing touched

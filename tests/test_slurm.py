@@ -33,6 +33,8 @@ import json, os, sys
 out = os.environ["OUTPUT_DIR"]
 with open(os.path.join(os.environ["STUB_DIR"], "calls.jsonl"), "a") as f:
     f.write(json.dumps(dict(argv=sys.argv[1:], shutdown=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))) + "\\n")
+if "--check_only" in sys.argv:  # the launcher's flag check before torchrun: the flags pass
+    sys.exit(0)
 outcome = os.environ["STUB_OUTCOME"]
 if outcome == "finished":
     os.makedirs(os.path.join(out, "final"), exist_ok=True)
@@ -79,12 +81,15 @@ def test_sbatch_parses():
 def test_every_node_runs_torchrun_with_its_rank(tmp_path, launcher, trainer):
     proc, calls = run_sbatch(tmp_path, "finished", "--max_train_steps", "7", LAUNCHER=launcher)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(calls) == 2
-    for node_rank, call in enumerate(calls):
+    assert len(calls) == 4  # per node: the flag check (one process, 16 ranks' arithmetic), then torchrun
+    for node_rank in range(2):
+        check, call = calls[2 * node_rank], calls[2 * node_rank + 1]
+        assert check["argv"][:4] == [trainer, "--check_only", "--dry_run_world_size", "16"]
         argv = call["argv"]
+        assert check["argv"][4:] == argv[argv.index(trainer) + 1:]  # the same flags
         torchrun, train = argv[:argv.index(trainer)], argv[argv.index(trainer) + 1:]
         assert torchrun == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
-                            "--nproc_per_node", "8", "--master_addr", "gpu-a01", "--master_port", "21234"]
+                            "--master_addr", "gpu-a01", "--master_port", "21234", "--nproc_per_node", "8"]
         assert call["shutdown"] == "900"
         assert train[train.index("--output_dir") + 1] == str(tmp_path / "run")
         assert train[train.index("--resume_from") + 1] == "latest"
@@ -99,7 +104,9 @@ def test_stopped_run_requeues_itself(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "stubs" / "requeued").read_text().split() == ["1234"]
     assert "stopped at step 7" in proc.stdout
-    assert {c["shutdown"] for c in calls} == {"1200"} and all("29555" in c["argv"] for c in calls)
+    torchrun = [c for c in calls if "--check_only" not in c["argv"]]
+    assert len(torchrun) == 2 and {c["shutdown"] for c in torchrun} == {"1200"}
+    assert all("29555" in c["argv"] for c in torchrun)
 
 
 @pytest.mark.parametrize("outcome, env", [("crashed", {}), ("stopped", {"SLURM_RESTART_COUNT": "10"})],
