@@ -1,6 +1,6 @@
 """What fits: the --dry_run memory plan of FLUX.1-dev GRPO on 8 x 80 GB for LoRA and full fine-tuning, 512^2 and
 720^2, with and without gradient checkpointing and CPU offload, at the recipe's batch (2 prompts x 12 samples per
-GPU, micro-batch 2, rollout batch 4, 16 steps, EMA, HPS v2.1); prints the README's markdown table.
+GPU, micro-batch 2, rollout batch 4, 16 steps, EMA, HPS v2.1); prints docs/memory.md's markdown table.
 
     python -m fastvideo.tiny --preset flux-dev-config --out data/flux-dev-config     # configs only, no weights
     python benchmarks/memory_table.py data/flux-dev-config [--world_size 8] [--gpu_gb 80]

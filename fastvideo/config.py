@@ -38,10 +38,11 @@ class ModelOptions:
     device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
     seed: int = opt(42, "run seed; all noise derives from (seed, step, prompt id, sample index, purpose)")
     deterministic: bool = opt(False, "use deterministic kernels and full-float32 math (slower on GPU: "
-                                     "deterministic algorithms, cuBLAS workspace, no TF32/HF32; README Determinism). "
-                                     "Uninitialised memory is not filled (torch's fill_uninitialized_memory is turned "
-                                     "off: filling would write every torch.empty, e.g. each FSDP all-gather buffer, "
-                                     "and this code reads no memory before writing it)")
+                                     "deterministic algorithms, cuBLAS workspace, no TF32/HF32; "
+                                     "docs/alignment.md, Determinism). Uninitialised memory is not filled (torch's "
+                                     "fill_uninitialized_memory is turned off: filling would write every torch.empty, "
+                                     "e.g. each FSDP all-gather buffer, and this code reads no memory before writing "
+                                     "it)")
     noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
 
 
@@ -69,9 +70,9 @@ class SamplingOptions:
                                     "(the images do not change)")
     last_step: str = opt(
         "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
-        "code; chosen by measurement on the demo, see README) | ode = the deterministic Euler step, which is exactly "
-        "its x0_hat, so the scored image carries no noise the policy cannot influence (the image DanceGRPO scores, "
-        "as --decode_x0 does)", choices=LAST_STEP_MODES)
+        "code; chosen by measurement on the demo, see docs/reproducing.md) | ode = the deterministic Euler step, "
+        "which is exactly its x0_hat, so the scored image carries no noise the policy cannot influence (the image "
+        "DanceGRPO scores, as --decode_x0 does)", choices=LAST_STEP_MODES)
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ParallelOptions:
         "auto: on for a full fine-tune (--lora_rank 0) on a GPU/NPU, off for LoRA and on the CPU; "
         "--gradient_checkpointing / --no-gradient_checkpointing choose explicitly")
     compile: bool = opt(False, "torch.compile every transformer block (fused kernels; the first rollout and update "
-                               "of each batch size compile, minutes at 12B). See README Performance for when it pays")
+                               "of each batch size compile, minutes at 12B). See docs/performance.md for when it pays")
     gradient_sync: str = opt(
         "auto", "when FSDP2 reduce-scatters gradients: backward = after every backward (each rank keeps only its "
         "fp32 gradient shard, 4 B/param/world; more communication) | step = once per optimizer step (every rank "
@@ -158,8 +159,8 @@ class ParallelOptions:
     sp_size: int = opt(1, "Ulysses sequence parallelism: each group of N consecutive ranks shares its samples and "
                           "splits their image and text tokens (attention heads / N per rank); FSDP still shards over "
                           "all ranks. Must divide the ranks, the attention heads (FLUX.1-dev: 24) and the image "
-                          "tokens ((h/16) x (w/16)); text is padded to a multiple of N. See README Sequence "
-                          "parallelism", type=int)
+                          "tokens ((h/16) x (w/16)); text is padded to a multiple of N. See "
+                          "docs/sequence-parallel.md", type=int)
     attention_backend: str = opt("auto", "diffusers attention kernel for every forward (rollout and replay alike): "
                                          "auto (torch SDPA; the fused _native_npu kernel on an NPU in bf16) | native | "
                                          "flash | _native_flash | _native_cudnn | _native_npu | sage | ... (any "

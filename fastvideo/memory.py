@@ -10,7 +10,7 @@ transients, recomputation under gradient checkpointing), with scaled-dot-product
 the largest phase (rollout, decode, train).
 
 What it does not see: the caching allocator's fragmentation (GPU), communication buffers of NCCL, the CUDA
-context (~0.5-1 GB per GPU) and the Python runtime; the README's "what fits" table leaves headroom for them.
+context (~0.5-1 GB per GPU) and the Python runtime; docs/memory.md's "what fits" table leaves headroom for them.
 """
 from __future__ import annotations
 
