@@ -178,6 +178,9 @@ def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):
     assert args.reward == "hpsv2:1.0" and args.num_generations == 12, "offline must not pass online-only flags"
 
 
+# slow for the default suite's time: the launcher path runs in the default suite in
+# test_grpo_launcher_builds_the_toy_world_and_trains; the demo YAMLs validate in test_demo_configs_validate
+@pytest.mark.slow
 def test_dpo_launcher_demo_online_and_offline(tmp_path, demo_data_dir):
     """The DPO demo as a user runs it: online on the toy world (the default), then offline on a pair file made from
     the tiny model's own samples (PREFERENCE_FILE=demo, JPEG reward)."""
@@ -196,9 +199,13 @@ def test_dpo_launcher_demo_online_and_offline(tmp_path, demo_data_dir):
     assert len(pairs) == 64 and (tmp_path / "outdemo" / "preference_latents" / "cache.json").is_file()
 
 
+# slow for the default suite's time: refusing a resume with other flags:
+# test_train_grpo.py::test_resume_with_other_flags_is_refused_before_loading (default)
+@pytest.mark.slow
 def test_readme_second_demo_command_works_after_the_demo(tmp_path, demo_data_dir):
-    """README: after the demo, `OUTPUT_DIR=... bash scripts/finetune_flux_grpo.sh --max_train_steps N --lora_rank 8`
-    starts a new run; the same flags into the demo's OUTPUT_DIR are refused with a message naming OUTPUT_DIR."""
+    """docs/demos.md: after the demo, `OUTPUT_DIR=... bash scripts/finetune_flux_grpo.sh --max_train_steps N
+    --lora_rank 8` starts a new run; the same flags into the demo's OUTPUT_DIR are refused with a message naming
+    OUTPUT_DIR."""
     def launch(out: str, *flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sample_every", "0", "--eval_max_prompts",
                                "4", *flags], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, out),
@@ -259,6 +266,7 @@ def test_nft_flux_recipe_parses_to_its_cited_values(tmp_path):
     assert counts["optimizer_steps_per_rollout"] == 1
 
 
+@pytest.mark.slow  # default-suite time; as test_dpo_launcher_demo_online_and_offline
 def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     """The NFT demo as a user runs it (2 steps), and the recipe's memory plan on FLUX.1-dev configs: the LoRA recipe
     fits 80 GiB with the old adapter; a full fine-tune plans the second fp32 transformer."""
@@ -291,6 +299,7 @@ def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     assert not (tmp_path / "plan").exists()
 
 
+@pytest.mark.slow  # default-suite time; the layers and one-line errors: tests/test_flag_layers.py (default)
 def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp_path, demo_data_dir):
     """Appending a flag that excludes one of the demo's values (the demo's --timestep_fraction 1.0 under
     --sde_window_size 2) trains, the demo value dropped with a note; a bad flag is one line, exit status 2, from the
@@ -311,6 +320,7 @@ def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp
     assert bad.stderr.strip().splitlines() == ["train_grpo_flux.py: error: --clip_range must be > 0, got 0.0"]
 
 
+@pytest.mark.slow  # default-suite time; the rendezvous flags: test_launchers_rendezvous_flags (default)
 def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path, demo_data_dir):
     """Without MASTER_PORT a single-node launch rendezvouses on a free port (torchrun --standalone): two demo runs
     started together on one machine both train (with the fixed port of before, the second died with EADDRINUSE)."""
@@ -341,3 +351,35 @@ def test_launchers_rendezvous_flags(tmp_path):
             joined = " ".join(argv)
             assert " ".join(expected) in joined, (script, env_vars, argv)
             assert ("--standalone" in argv) == (expected == ["--standalone"])
+
+
+DEMOS = [  # (trainer, the launcher's --config files, the data: the toy world or the tiny FLUX)
+    ("grpo", ["toyworld.yaml", "grpo_toyworld.yaml"], "toy"), ("dpo", ["toyworld.yaml", "dpo_toyworld.yaml"], "toy"),
+    ("nft", ["toyworld.yaml", "nft_toyworld.yaml"], "toy"), ("grpo", ["grpo_jpeg.yaml"], "tiny"),
+    ("dpo", ["dpo_jpeg.yaml"], "tiny"), ("dpo", ["dpo_jpeg_offline.yaml"], "pairs"), ("nft", ["nft_jpeg.yaml"], "tiny")]
+
+
+@pytest.mark.parametrize("trainer, files, data", DEMOS, ids=[f[-1].removesuffix(".yaml") for _, f, _ in DEMOS])
+def test_demo_configs_validate(trainer, files, data, toy_world, tiny_flux_dir, tiny_data, tmp_path):
+    """Every demo's values (scripts/demos/*.yaml, as its launcher layers them under the paths) parse and validate
+    for the demo's one rank, and the launcher passes exactly these files."""
+    from fastvideo import config as C
+
+    launcher = (REPO / "scripts" / f"finetune_flux_{trainer}.sh").read_text() + \
+        (REPO / "scripts" / "_training_common.sh").read_text()
+    for name in files:
+        assert f"--config scripts/demos/{name}" in launcher
+    parse, validate = {"grpo": (C.parse_grpo_args, C.validate_grpo), "dpo": (C.parse_dpo_args, C.validate_dpo),
+                       "nft": (C.parse_nft_args, C.validate_nft)}[trainer]
+    if data == "toy":
+        paths = ["--pretrained_model_name_or_path", str(toy_world["model"]), "--data_json_path", str(toy_world["train"]),
+                 "--eval_prompts", str(toy_world["heldout"])]
+    else:
+        paths = ["--pretrained_model_name_or_path", str(tiny_flux_dir), "--data_json_path", str(tiny_data)]
+    if data == "pairs":
+        (tmp_path / "pairs.jsonl").write_text("")
+        paths += ["--preference_file", str(tmp_path / "pairs.jsonl")]
+    configs = [token for name in files for token in ("--config", str(REPO / "scripts" / "demos" / name))]
+    args = parse([*configs, *paths, "--output_dir", str(tmp_path / "out"), "--resume_from", "latest"])
+    counts = validate(args, 1)
+    assert counts["world_size"] == 1 and args.device == "cpu" and args.h == 64

@@ -30,6 +30,7 @@ def _rows(out: Path) -> list[dict]:
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # default-suite time; the jsonl sink and plots run in every trainer test of the default suite
 def test_tensorboard_wandb_resume_plots_and_config_round_trip(tiny_flux_dir, tiny_data, tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")

@@ -88,6 +88,8 @@ def large_dir(tmp_path_factory) -> Path:
     return out
 
 
+# slow for the default suite's time: exact sharded loading: test_sharded_loading_is_exact_for_other_layouts (default)
+@pytest.mark.slow
 # the policy-only variant is opt-in (-m slow): the policy+reference variant loads the policy the same way and more
 @pytest.mark.parametrize("kl", [pytest.param(False, marks=pytest.mark.slow), True], ids=["policy", "policy+reference"])
 def test_sharded_loading_rss(large_dir, kl):
@@ -214,7 +216,9 @@ def bench_data(bench_dir, tmp_path_factory) -> Path:
 # LoRA and NFT are opt-in (-m slow) to keep the default suite near 15 minutes: LoRA's plan items (adapter state, the
 # unsharded gradient accumulation of --gradient_sync step) are checked by test_plan_arithmetic_for_flux_dev, its
 # activations by test_activation_extrapolation_equals_the_full_trace; NFT's plan shares the planner's code with GRPO's
-# (its extra copies are checked in the launcher's dry-run test); this measures the whole plan against a run (43 s)
+# (its extra copies are checked in the launcher's dry-run test); this measures the whole plan against a run (43 s).
+# All three are slow for the default suite's time: the plan's items are checked by the tests above (default).
+@pytest.mark.slow
 @pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []),
                                          pytest.param("train_grpo_flux.py", ["--lora_rank", "8"],
                                                       marks=pytest.mark.slow),
@@ -249,7 +253,7 @@ RECIPE = ["--h", "720", "--w", "720", "--sampling_steps", "16", "--sde_type", "d
 
 
 def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
-    """The README recipe (full fine-tune, 720^2, 8 ranks) from a folder of FLUX.1-dev configs without weights:
+    """The docs/memory.md recipe (full fine-tune, 720^2, 8 ranks) from a folder of FLUX.1-dev configs without weights:
     under 30 s, within 80 GB per GPU, and the process never holds the 48 GB model (meta device)."""
     from fastvideo.tiny import write_flux_dev_config
 

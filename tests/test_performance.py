@@ -100,6 +100,9 @@ def test_compile_flag_compiles_every_block(tiny_flux_dir):
         parallel.shard_model(flux.load_transformer(tiny_flux_dir))))
 
 
+# slow for the default suite's time: benchmarks/bench_step.py, not the trainers; the step it times runs in every
+# trainer test
+@pytest.mark.slow
 def test_bench_step_smoke(tmp_path):
     """benchmarks/bench_step.py --smoke: both loops, fp32 and bf16 autocast, 2 ranks; every reported number is finite,
     the phase fractions add up, and the reference loop's first-update gradients equal ours on the same samples."""
@@ -143,6 +146,9 @@ def _bench_step_module():
     return module
 
 
+# slow for the default suite's time: the FLUX.1-dev widths are traced in test_fake_cuda.py and planned in
+# test_memory.py (default)
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_flux_dev_shape_model_has_real_widths_and_random_weights(tmp_path):
     """--model flux-dev-shape --num_layers 1: FLUX.1-dev's widths with 1 double + 2 single blocks; the weights made in
@@ -190,6 +196,7 @@ def test_flux_dev_shape_model_has_real_widths_and_random_weights(tmp_path):
     assert images.shape == (2, 3, 32, 32) and torch.isfinite(images).all()
 
 
+# slow (~1 min, ~4.5 GB per rank): the FLUX.1-dev widths are traced in test_fake_cuda.py (default)
 @pytest.mark.slow
 def test_bench_step_flux_dev_shape_runs(tmp_path):
     """The accelerator mode end to end on this CPU (1 double + 2 single blocks at FLUX.1-dev's widths, LoRA, 64²):

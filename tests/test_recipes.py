@@ -186,6 +186,10 @@ def test_recipe_parses_and_validates(recipe, tmp_path):
     assert counts["world_size"] == WORLD
 
 
+# slow for the default suite's time: the planner on FLUX.1-dev configs runs in the default suite in
+# test_memory.py::test_dry_run_plans_flux_dev_on_configs_alone; each recipe's flags parse and validate in
+# test_recipe_parses_and_validates
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_plan_fits_8x80gb(recipe, dry_runs):
     """The trainer's --dry_run for 8 ranks on FLUX.1-dev's configs plans the recipe within 80 GiB per GPU, and the

@@ -27,6 +27,9 @@ def _weights(folder) -> dict[str, torch.Tensor]:
             for k, v in load_file(folder / part / "diffusion_pytorch_model.safetensors").items()}
 
 
+# slow for the default suite's time: the shipped toy model loads in FluxPipeline in the default suite (the toy_world
+# fixture's users, e.g. test_train_toyworld.py)
+@pytest.mark.slow
 def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path):
     from diffusers import FluxPipeline
 
@@ -53,6 +56,9 @@ def test_pretrain_config_is_checked():
         PretrainConfig(batch=0)
 
 
+# slow for the default suite's time: the toy world's reward and model run in the default suite in
+# test_train_toyworld.py
+@pytest.mark.slow
 def test_shipped_model_follows_prompts_partially(tmp_path):
     """Seeded: 128 train and 128 held-out prompts, ODE samples at the recommended settings, scored by the verifier."""
     folder = build_from_shipped(tmp_path / "toy")
@@ -67,8 +73,8 @@ def test_shipped_model_follows_prompts_partially(tmp_path):
         result = evaluate(transformer, vae, encoders, cfg, geometry, num_prompts=128)
     for split in ("train", "heldout"):
         r = result[split]
-        # chance (a valid scene of another prompt, README): score 0.25 / 0.28, colour 0.50, shape 0.21 / 0.27,
-        # count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
+        # chance (a valid scene of another prompt, docs/toy-world.md): score 0.25 / 0.28, colour 0.50,
+        # shape 0.21 / 0.27, count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
         assert 0.38 < r["score"] < 0.7, (split, r)
         assert r["color"] > 0.75 and r["count"] > 0.3 and r["position"] > 0.18, (split, r)
         assert r["strict"] < 0.2, (split, r)
@@ -98,6 +104,7 @@ def test_cli_refuses_a_non_empty_out(tmp_path):
     assert (tmp_path / "x" / "file").read_text() == "keep me"
 
 
+# slow (~10 min): the shipped weights themselves are what the default suite's toy_world fixture loads
 @pytest.mark.slow
 def test_pretrain_reproduces_the_shipped_weights(tmp_path):
     """The default config, with the thread count the shipped weights were made with, gives them bit for bit."""

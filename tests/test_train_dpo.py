@@ -284,6 +284,9 @@ def test_bad_pair_file_fails_on_every_rank_before_loading(tiny_flux_dir, tiny_da
     assert not (out / "config.json").exists() and not (out / "checkpoints").exists()
 
 
+# slow for the default suite's time: online DPO's path runs in the default suite in
+# test_online_run_writes_every_metric
+@pytest.mark.slow
 def test_online_dpo_raises_the_reward_over_an_lr0_control(tiny_flux_dir, tiny_data, tmp_path):
     """2 ranks, the demo's setting (best vs worst of 8 JPEG-scored samples, beta 200) at a higher lr for a short run:
     the trained policy's samples compress better than an lr-0 control's (measured: 4.118 vs 4.201 kB over the last 20

@@ -97,6 +97,9 @@ def test_short_run_writes_every_metric(lora_run):
     assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == ["step-2", "step-4"]
 
 
+# slow for the default suite's time: a killed save: test_checkpoint_safety (default); exact resume:
+# test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]
+@pytest.mark.slow
 def test_sigkill_during_a_save_then_resume_continues_exactly(lora_run, tiny_flux_dir, tiny_data, tmp_path):
     """Rank 0 is SIGKILLed as it completes the step-4 checkpoint (all shards written, meta.json not yet): the job
     dies, step-2 stays the newest complete checkpoint, and --resume_from latest (which first removes the partial
@@ -130,6 +133,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+# the torchrun variant is slow: the signal forwarding is torchrun's; the ranks' side runs in the default "ranks" case
 @pytest.mark.parametrize("target", ["ranks", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(lora_run, tiny_flux_dir, tiny_data, tmp_path,
                                                                        target):
@@ -344,6 +348,7 @@ def test_resume_with_other_flags_is_refused_before_loading(lora_run, tiny_flux_d
     assert (lora_run / "config.json").read_text() == config, "a refused resume must not rewrite config.json"
 
 
+@pytest.mark.slow  # default-suite time; GRPO's path runs in the default suite in test_short_run_writes_every_metric
 def test_grpo_raises_a_weight_free_reward(tiny_flux_dir, tiny_data, tmp_path):
     """40 GRPO steps (2 ranks, 32 samples/step) shrink the images' JPEG size; the lr-0 control stays flat.
 

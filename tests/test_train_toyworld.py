@@ -63,6 +63,8 @@ def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_p
     assert torch.equal(batch["prompt_embeds"], ref["prompt_embeds"])
 
 
+# slow (~2 min): the demo's launcher path runs in the default suite in
+# test_launchers.py::test_grpo_launcher_builds_the_toy_world_and_trains, its evaluation in the test above
 @pytest.mark.slow
 def test_grpo_demo_raises_heldout_accuracy(tmp_path):
     """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2 min): the held-out score (128 prompts) ends
