@@ -74,6 +74,9 @@ def grpo_alignment(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dic
     return runs
 
 
+# slow for the default suite's time: the recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
+@pytest.mark.slow
 def test_recording_holds_every_stage(grpo_alignment):
     from safetensors.torch import load_file
 
@@ -96,6 +99,9 @@ def test_recording_holds_every_stage(grpo_alignment):
     assert {"loss", "timestep_slot"} <= set(updates[0]) and any("grad_norm" in r for r in updates)
 
 
+# slow for the default suite's time: the recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
+@pytest.mark.slow
 def test_two_rank_recording_replays_on_one_rank(grpo_alignment):
     rec, replay = grpo_alignment["two"] / "rec", grpo_alignment["replay"] / "rec"
     a = compare.Recording.load(rec)
@@ -123,6 +129,9 @@ def test_two_rank_recording_replays_on_one_rank(grpo_alignment):
     assert "agree: 2 steps within tolerance" in out.stdout
 
 
+# slow for the default suite's time: the recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
+@pytest.mark.slow
 def test_grpo_runs_are_bit_identical(grpo_alignment):
     """A 1-rank run that draws its noise and a 1-rank run that reads it from the 2-rank recording, same flags: the same
     metrics (timings aside), sample grids, recorded images and draws, bit for bit (every draw is a function of its
@@ -135,6 +144,9 @@ def test_grpo_runs_are_bit_identical(grpo_alignment):
         assert found and found == files_of(replay, pattern), pattern
 
 
+# slow for the default suite's time: the recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
+@pytest.mark.slow
 def test_a_perturbed_transformer_diverges_at_the_rollout(grpo_alignment, tmp_path):
     out = run_compare(str(grpo_alignment["two"] / "rec"), str(grpo_alignment["perturbed"] / "rec"),
                       "--plot", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json"), "--per_image")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,16 +154,19 @@ def test_corrupt_safetensors_embedding_shard(tmp_path):
         EmbeddingDataset(manifest)
 
 
-def test_corrupt_safetensors_text_encoder_fails_preprocessing_before_loading(tmp_path, tiny_flux_dir):
+def test_corrupt_safetensors_text_encoder_fails_preprocessing_before_loading(tmp_path, tiny_flux_dir, capsys):
     model = tmp_path / "model"
     shutil.copytree(tiny_flux_dir, model)
     weights = model / "text_encoder_2" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cube\n")
-    with pytest.raises(ValueError, match="text_encoder_2.*truncated.*re-download the model"):
+    with pytest.raises(SystemExit) as stop:  # a bad input: one line naming the fix, exit status 2
         _preprocess_main(["--model_path", str(model), "--prompt_file", str(prompts), "--output_dir",
                           str(tmp_path / "out"), "--device", "cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1
+    assert re.search("error: .*text_encoder_2.*truncated.*re-download the model", lines[0]), lines
     assert not (tmp_path / "out").exists()
 
 

@@ -682,18 +682,24 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-@functools.cache
-def anchors(path: Path) -> set[str]:
-    seen: dict[str, int] = {}
-    out = set()
-    in_fence = None
-    for line in path.read_text(encoding="utf-8").splitlines():
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line number, line)`` of the lines of ``path`` outside fenced blocks."""
+    out, in_fence = [], None
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         m = FENCE_RE.match(line)
         if m:
             in_fence = None if in_fence and line.strip().startswith(in_fence) else (in_fence or m.group(2))
             continue
-        if in_fence:
-            continue
+        if not in_fence:
+            out.append((no, line))
+    return out
+
+
+@functools.cache
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in prose_lines(path):
         h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if h:
             slug = github_slug(h.group(1))
@@ -704,14 +710,8 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> list[tuple[int, str]]:
-    out, in_fence = [], None
-    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        m = FENCE_RE.match(line)
-        if m:
-            in_fence = None if in_fence and line.strip().startswith(in_fence) else (in_fence or m.group(2))
-            continue
-        if in_fence:
-            continue
+    out = []
+    for no, line in prose_lines(path):
         line = re.sub(r"`[^`]*`", "", line)
         out += [(no, t) for t in re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", line)]
     return out

@@ -28,6 +28,9 @@ def _demo_env(tmp_path: Path, data_dir: Path, out: str = "out", **extra: str) ->
     return env
 
 
+# slow for the default suite's time: a launcher demo runs in the default suite in test_docs.py (README's JPEG demo);
+# the toy-world demo YAMLs validate in test_demo_configs_validate
+@pytest.mark.slow
 def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
     """The default demo: the toy FLUX (shipped weights), the prompt splits and their embeddings are built in DATA_DIR;
     held-out accuracy is evaluated before step 1 and after the last step."""
@@ -220,6 +223,8 @@ def test_readme_second_demo_command_works_after_the_demo(tmp_path, demo_data_dir
     assert (tmp_path / "demo-lora8" / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
+# slow for the default suite's time: a launcher's dry run: test_grpo_launcher_dry_run_plans_the_flux_recipe (default)
+@pytest.mark.slow
 def test_dpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
     """`MODEL_PATH=... bash scripts/finetune_flux_dpo.sh --dry_run --device cuda` on FLUX.1-dev configs: the online
     recipe (LoRA 64, 32 prompts x 16 images over 8 ranks, 512 px) fits 80 GiB; a full fine-tune with a refreshed

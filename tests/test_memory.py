@@ -42,6 +42,8 @@ def bench_dir(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------------ gradient reduction
+# slow for the default suite's time: the plan's gradient items: test_plan_arithmetic_for_flux_dev (default)
+@pytest.mark.slow
 def test_gradient_reduction_per_backward_keeps_only_shards(bench_dir):
     """Full fine-tune, FSDP2, 2 ranks, a 4-micro-batch accumulation cycle. Measured: the gradient tensors FSDP2
     holds between backwards (unsharded accumulation buffers + sharded gradients), not RSS."""
@@ -110,7 +112,8 @@ def test_sharded_loading_rss(large_dir, kl):
 
 
 @pytest.mark.parametrize("flags, nproc", [(["--fsdp_version", "2", "--strategy", "hybrid_full", "--lora_rank", "4"], 3),
-                                          (["--fsdp_version", "1", "--strategy", "shard_grad_op"], 2)],
+                                          pytest.param(["--fsdp_version", "1", "--strategy", "shard_grad_op"], 2,
+                                                       marks=pytest.mark.slow)],  # FSDP1: slow (suite time)
                          ids=["fsdp2-hybrid-lora-3-ranks", "fsdp1-shard_grad_op"])
 def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags, nproc):
     """3 ranks: uneven dim-0 shards (e.g. 64 rows -> 22/22/20), which must match FSDP2's own chunking."""
@@ -118,7 +121,7 @@ def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags, nproc):
     assert r[0]["max_abs_diff_vs_file"] == 0.0
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow), 2])  # FSDP1: slow (suite time)
 def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
     """full_state_dict for the final export: rank 0 ends with the whole model; the other ranks never hold more than
     an FSDP unit or two (FSDP1 used to gather everything on every rank when the parameters were on the CPU)."""

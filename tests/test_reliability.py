@@ -45,7 +45,9 @@ def test_a_nan_reward_stops_every_rank_naming_the_reward_and_prompt(tiny_flux_di
     assert not (out / "metrics.jsonl").exists() or not read_metrics(out / "metrics.jsonl")  # stopped in step 1
 
 
-@pytest.mark.parametrize("trainer", ["grpo", "dpo", "nft"])
+# DPO's and NFT's are slow (suite time): the drop is the shared Run.score_rollout path GRPO's case runs by default
+@pytest.mark.parametrize("trainer", ["grpo", pytest.param("dpo", marks=pytest.mark.slow),
+                                     pytest.param("nft", marks=pytest.mark.slow)])
 def test_nonfinite_reward_drop_trains_on_without_the_sample(tiny_flux_dir, tiny_data, tmp_path, trainer):
     """--nonfinite_reward drop: the NaN sample of every step is dropped and counted; every other metric stays
     finite and no update is skipped (GRPO: advantage 0; DPO: never in a pair; NFT: masked out of the loss)."""

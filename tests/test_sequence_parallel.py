@@ -56,6 +56,9 @@ def test_sp2_trains_in_bf16_with_cuda_float32_rms_norm(tiny_flux_dir, tiny_data,
     assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
 
 
+# slow for the default suite's time: SP training runs in the default suite in test_sp2_equals_sp1_on_two_ranks and
+# test_sp2_trains_in_bf16_with_cuda_float32_rms_norm
+@pytest.mark.slow
 def test_attention_backend_falls_back_once_and_stays_on_policy(sp_runs):
     out, proc = sp_runs["sp2"]
     text = proc.stdout + proc.stderr
@@ -71,6 +74,9 @@ def test_attention_backend_falls_back_once_and_stays_on_policy(sp_runs):
         assert row["mfu"] < 1
 
 
+# slow for the default suite's time: SP training runs in the default suite in test_sp2_equals_sp1_on_two_ranks and
+# test_sp2_trains_in_bf16_with_cuda_float32_rms_norm
+@pytest.mark.slow
 def test_checkpoint_of_sp2_resumes_with_sp1(sp_runs):
     """A checkpoint does not depend on --sp_size: sp 1 resumes sp 2's step-1 checkpoint and its step 2 samples,
     rewards and updates what sp 2's own step 2 did, up to float rounding."""
@@ -170,6 +176,9 @@ def test_set_attention_backend_on_cpu_falls_back_to_native(tiny_flux_dir):
     assert flux.set_attention_backend(model, "native", "cpu") == "native"
 
 
+# slow for the default suite's time: the planner: test_memory.py::test_dry_run_plans_flux_dev_on_configs_alone
+# (default)
+@pytest.mark.slow
 def test_dry_run_plans_sequence_parallel_activations(tmp_path):
     """The planner at FLUX.1-dev's widths: --sp_size 4 at 1024² holds about a third of the activations."""
     import subprocess

@@ -208,6 +208,9 @@ def test_online_lora_export_loads_in_stock_pipeline(online_runs, tiny_flux_dir):
     assert_lora_changes_pipeline(tiny_flux_dir, online_runs["two"] / "final")
 
 
+# slow for the default suite's time: offline DPO's flags validate in test_flag_layers.py and
+# test_demo_configs_validate; its update shares update_policy with online DPO (default)
+@pytest.mark.slow
 def test_offline_full_finetune_from_a_generated_pair_file(tiny_flux_dir, tiny_data, tmp_path):
     """python -m fastvideo.preference makes pairs from the model's own samples; a 2-rank full fine-tune trains on
     them against the frozen base (cached latents), exports a transformer folder that differs from the base."""
@@ -248,6 +251,8 @@ def test_offline_full_finetune_from_a_generated_pair_file(tiny_flux_dir, tiny_da
     assert diff > 1e-6, "the exported transformer equals the base model"
 
 
+# slow for the default suite's time: DPO's step: test_online_run_writes_every_metric (default)
+@pytest.mark.slow
 def test_a_step_without_pairs_trains_nothing(tiny_flux_dir, tiny_data, tmp_path):
     """--min_reward_gap above every gap: each pair is skipped and counted, no optimizer step is taken, the pair
     metrics are NaN (not a misleading 0), and the run still checkpoints and exports."""

@@ -181,6 +181,9 @@ def test_lora_export_loads_in_stock_pipeline(lora_run, tiny_flux_dir):
     assert_lora_changes_pipeline(tiny_flux_dir, lora_run / "final")
 
 
+# slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
+# test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
+@pytest.mark.slow
 def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
     """final/ of a --use_ema run holds the EMA weights (from the last checkpoint's ema/ state), which differ from
     both the base model and the raw trained weights."""
@@ -206,6 +209,9 @@ def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
     assert rows[1]["kl"] > 0, "after one update the policy differs from the frozen reference"
 
 
+# slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
+# test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
+@pytest.mark.slow
 def test_exports_are_written_in_the_export_dtype(full_runs, lora_run, tiny_flux_dir):
     """--export_dtype auto writes the base model's stored dtype (fp32 for the tiny model), bf16 half the bytes; both
     load with from_pretrained / load_lora_weights (test_lora_export_loads_in_stock_pipeline: the bf16 LoRA) and
@@ -231,6 +237,9 @@ def test_exports_are_written_in_the_export_dtype(full_runs, lora_run, tiny_flux_
     assert written(lora_run / "final")[0::2] == ({torch.bfloat16}, "bf16")
 
 
+# slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
+# test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
+@pytest.mark.slow
 def test_world_size_does_not_change_rewards(full_runs):
     two = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
     one = read_metrics(full_runs["single"] / "metrics.jsonl")
@@ -250,8 +259,9 @@ def test_fsdp1_and_fsdp2_agree(full_runs):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
 
 
+# the plain window is slow (suite time): cps+window+kl runs a window in the default suite
 @pytest.mark.parametrize("flags", [
-    ("--sde_window_size", "2", "--sde_type", "flow_sde"),
+    pytest.param(("--sde_window_size", "2", "--sde_type", "flow_sde"), marks=pytest.mark.slow),
     ("--sde_type", "dance_sde", "--eta", "0.3", "--decode_x0", "--init_same_noise", "--last_step", "sde"),
     ("--sde_type", "cps", "--eta", "0.8", "--sde_window_size", "2", "--sde_window_range", "0", "3", "--last_step",
      "sde", "--kl_beta", "0.04", "--lora_rank", "4"),

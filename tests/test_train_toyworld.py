@@ -28,6 +28,9 @@ def _grpo(toy_world, out, *flags: str, nproc: int = 2, eval_prompts=None):
                          "--no-progress_bar", "--seed", "0", *flags], nproc=nproc)
 
 
+# slow for the default suite's time: evaluation during training runs in test_sample_run.py's runs (--eval_prompts) in
+# the default suite
+@pytest.mark.slow
 def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_path):
     """The lr-0 control: with nothing trained, the held-out evaluation after a step equals the one before step 1
     exactly (21 prompts x 3 images = 63, so rank 1 runs one pad; noise fixed by seed, prompt and image index), so a

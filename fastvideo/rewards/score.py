@@ -27,6 +27,19 @@ import torch
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
+def _all_there(images: Path, found: list[tuple[str, Path, str]], listing: str, empty: str
+               ) -> list[tuple[str, Path, str]]:
+    """``found`` (the images ``listing`` names) when every file is there and there is one (FileNotFoundError /
+    ValueError naming the folder otherwise)."""
+    missing = [name for name, path, _ in found if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--images {images}: {listing} lists {len(missing)} image(s) that are not there, e.g. "
+                                f"{missing[0]}")
+    if not found:
+        raise ValueError(f"--images {images}: {listing} {empty}")
+    return found
+
+
 def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]:
     """``(name, path, prompt)`` of every image to score, in a fixed order (FileNotFoundError / ValueError naming the
     fix when images or prompts are missing or their counts differ)."""
@@ -37,24 +50,12 @@ def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]
                                 "--output_dir or a --record_dir")
     if (images / "index.jsonl").is_file() and (images / "config.json").is_file():  # a sample.py --output_dir
         found = [(r["path"], images / r["path"], r["prompt"]) for r in read_jsonl(images / "index.jsonl")]
-        missing = [name for name, path, _ in found if not path.is_file()]
-        if missing:
-            raise FileNotFoundError(f"--images {images}: its index.jsonl lists {len(missing)} image(s) that are not "
-                                    f"there, e.g. {missing[0]}")
-        if not found:
-            raise ValueError(f"--images {images}: its index.jsonl lists no images")
-        return found
+        return _all_there(images, found, "its index.jsonl", "lists no images")
     if (images / "manifest.json").is_file() and any(images.glob("samples-rank*.jsonl")):  # a recording
         rows = sorted((r for path in images.glob("samples-rank*.jsonl") for r in read_jsonl(path)),
                       key=lambda r: (r["step"], r["prompt_id"], r["sample_index"]))
         found = [(r["image"], images / r["image"], r["prompt"]) for r in rows]
-        missing = [name for name, path, _ in found if not path.is_file()]
-        if missing:
-            raise FileNotFoundError(f"--images {images}: the recording lists {len(missing)} image(s) that are not "
-                                    f"there, e.g. {missing[0]}")
-        if not found:
-            raise ValueError(f"--images {images}: the recording holds no images (record a run that samples)")
-        return found
+        return _all_there(images, found, "the recording", "holds no images (record a run that samples)")
     files = sorted(p for p in images.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise FileNotFoundError(f"--images {images}: no {'/'.join(IMAGE_SUFFIXES)} files there")
