@@ -251,6 +251,9 @@ def test_world_size_does_not_change_rewards(full_runs):
     assert one[1]["reward_mean"] == pytest.approx(two[1]["reward_mean"], rel=1e-4)
 
 
+# slow for the default suite's time (it is the last default user of the full_runs fixture): FSDP2 trains in every
+# default trainer test, FSDP1 shards, saves and loads in test_checkpoint.py::test_sharded_checkpoints (default)
+@pytest.mark.slow
 def test_fsdp1_and_fsdp2_agree(full_runs):
     a = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
     b = read_metrics(full_runs["fsdp1"] / "metrics.jsonl")
