@@ -178,7 +178,8 @@ class PlanOptions:
     dry_run_world_size: int | None = opt(None, "with --dry_run / --check_only: plan or check for this many ranks "
                                                "(default: this job's)")
     check_only: bool = opt(False, "check the flags and inputs (paths, batch arithmetic for --dry_run_world_size "
-                                  "ranks, the output folder and the checkpoint --resume_from names), then exit: 0 "
+                                  "ranks, the reward spec, the output folder and the checkpoint --resume_from "
+                                  "names), then exit: 0 "
                                   "when they pass, 2 with one line naming the fix otherwise. The launchers run it "
                                   "before starting torchrun")
     dry_run_device_memory_gb: float = opt(80.0, "with --dry_run: memory per device (GiB) to check the plan against")

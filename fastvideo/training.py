@@ -199,15 +199,19 @@ def run_main(args: argparse.Namespace, validate: Callable[[argparse.Namespace, i
 def check_only(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]]) -> None:
     """``--check_only``: in one process, before torchrun starts (the launchers), what every rank would check first:
     the flags and batch arithmetic for --dry_run_world_size ranks (default: this job's), the memory flags, a writable
-    --output_dir, and the checkpoint --resume_from names (complete, same algorithm and run-defining flags). Loads
-    nothing; the checks that need the job (the memory plan against the device, the reward's files) run at its
-    start."""
+    --output_dir, the --reward spec, and the checkpoint --resume_from names (complete, same algorithm and run-defining
+    flags). Loads nothing; the checks that need the job (the memory plan against the device, the reward's files and
+    prompts, the embeddings' encoders) run at its start."""
+    from fastvideo.rewards import parse_reward_spec
+
     _, launched_world = D.launch_env()
     world = args.dry_run_world_size or launched_world
     device = torch.device((args.device or D.pick_device_type()).split(":")[0])
     counts = with_sp_counts(validate(args, D.data_parallel_size(args.sp_size, world)), args.sp_size)
     resolve_device_defaults(args, device.type)
     check_memory_flags(args, world, device)
+    if args.reward:
+        parse_reward_spec(args.reward)
     check_output_dir(args.output_dir)
     resume_dir = resolve_resume(args)
     if resume_dir is not None:

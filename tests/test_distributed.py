@@ -113,9 +113,10 @@ def test_local_rank_beyond_the_visible_devices_names_the_fix(monkeypatch):
         D.init_distributed("cpu", timeout_minutes=0)
 
 
-# the failure the store wait avoids and the disk-full error are slow (suite time); the store wait itself is default
-@pytest.mark.parametrize("mode", ["store", pytest.param("collective", marks=pytest.mark.slow),
-                                  pytest.param("disk_full", marks=pytest.mark.slow)])
+# slow for the default suite's time (each waits out a collective timeout): the store wait itself runs at every export
+# and checkpoint of the default trainer tests (e.g. test_train_grpo.py::test_short_run_writes_every_metric)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["store", "collective", "disk_full"])
 def test_rank0_file_work_outlasting_the_collective_timeout(tiny_flux_dir, tmp_path, mode):
     """2 ranks with a 4 s collective timeout; rank 0's final export (bf16), a checkpoint deletion and a re-saved
     step's swap each take 7 s. store: the job succeeds (the others wait in the TCP store), and the policy and the

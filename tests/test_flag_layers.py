@@ -211,3 +211,12 @@ def test_sample_and_preprocess_report_a_bad_input_in_one_line(script, flags, mes
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"{script}: error: ") and message in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_check_only_refuses_an_unknown_reward_before_torchrun(tmp_path, tiny_flux_dir, tiny_data):
+    """The launchers' check catches a bad --reward spec too, so a launch with it never starts torchrun."""
+    proc = _run(str(REPO / "train_grpo_flux.py"), "--pretrained_model_name_or_path", str(tiny_flux_dir),
+                "--data_json_path", str(tiny_data), "--output_dir", str(tmp_path / "out"), "--h", "64", "--w", "64",
+                "--device", "cpu", "--reward", "no_such_reward:1.0", "--check_only", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "no_such_reward" in lines[0], proc.stderr

@@ -111,6 +111,9 @@ def test_sharded_loading_rss(large_dir, kl):
     assert single["max_abs_diff_vs_file"] == 0.0 and two[0]["max_abs_diff_vs_file"] == 0.0
 
 
+# both slow for the default suite's time: sharded loading is exact in every default trainer test (e.g. the resume
+# tests compare bit for bit) and in test_checkpoint.py::test_sharded_checkpoints
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, nproc", [(["--fsdp_version", "2", "--strategy", "hybrid_full", "--lora_rank", "4"], 3),
                                           pytest.param(["--fsdp_version", "1", "--strategy", "shard_grad_op"], 2,
                                                        marks=pytest.mark.slow)],  # FSDP1: slow (suite time)

@@ -262,10 +262,13 @@ def test_fsdp1_and_fsdp2_agree(full_runs):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
 
 
-# the plain window is slow (suite time): cps+window+kl runs a window in the default suite
+# the plain window and dance_sde are slow (suite time): cps+window+kl runs a window in the default suite; dance_sde's
+# step is checked against its float64 reference in test_schedulers.py, decode_x0 and init_same_noise in
+# test_rollout.py (default)
 @pytest.mark.parametrize("flags", [
     pytest.param(("--sde_window_size", "2", "--sde_type", "flow_sde"), marks=pytest.mark.slow),
-    ("--sde_type", "dance_sde", "--eta", "0.3", "--decode_x0", "--init_same_noise", "--last_step", "sde"),
+    pytest.param(("--sde_type", "dance_sde", "--eta", "0.3", "--decode_x0", "--init_same_noise", "--last_step", "sde"),
+                 marks=pytest.mark.slow),
     ("--sde_type", "cps", "--eta", "0.8", "--sde_window_size", "2", "--sde_window_range", "0", "3", "--last_step",
      "sde", "--kl_beta", "0.04", "--lora_rank", "4"),
 ], ids=["window", "dance_sde+decode_x0+init_same_noise", "cps+window+kl"])
