@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+from suite_rules import (pytest_collection_modifyitems, pytest_runtest_makereport,  # noqa: E402,F401
+                         pytest_sessionfinish, pytest_terminal_summary)  # the default timeout; undeclared skips fail CI
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

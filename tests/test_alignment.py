@@ -160,9 +160,10 @@ def test_a_perturbed_transformer_diverges_at_the_rollout(grpo_alignment, tmp_pat
     assert table[0]["logprob"] < 1e-5  # the log-prob of the recorded noise does not depend on the model
 
 
-# NFT is opt-in (-m slow, 32 s; suite time): the determinism it checks lives in the shared scaffold (noise source,
-# Run, recorder), which the DPO variant and GRPO's recording test cover in the default suite
-@pytest.mark.parametrize("algo", ["dpo", pytest.param("nft", marks=pytest.mark.slow)])
+# NFT's variant is the default one: it also replays with --replay_images (scoring a recording's images), which no
+# other default test reaches. DPO's is opt-in (-m slow; suite time): the determinism it checks lives in the shared
+# scaffold (noise source, Run, recorder) that NFT's variant runs, and DPO's replay is tested in test_train_dpo.py.
+@pytest.mark.parametrize("algo", [pytest.param("dpo", marks=pytest.mark.slow), "nft"])
 def test_identical_runs_are_bit_identical_and_replay_exactly(algo, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
     """Two runs with the same seed and flags: the same metrics (timings aside), images and draws, bit for bit. NFT: a
     replay of the first that scores its recorded images (--replay_images) agrees with it (compare exits 0); DPO's

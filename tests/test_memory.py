@@ -317,6 +317,46 @@ def test_plan_arithmetic_for_flux_dev(tmp_path):
     assert any("world size 1" in w for w in single.warnings)
 
 
+def test_nft_plan_holds_the_old_policy_and_its_buffers(tiny_flux_dir):
+    """DiffusionNFT's plan (train_nft.py --dry_run, the start-up gate) on 8 ranks, item by item against the byte
+    arithmetic: a full fine-tune holds a second sharded fp32 transformer (the old policy) and the bf16 reference with
+    --kl_beta; LoRA an fp32 'old' adapter; the rollout keeps only the clean latents (no trajectory), and v_old lives
+    through each trained forward. The same flags' GRPO plan (no old policy, the whole trajectory) is the control.
+    (The tiny preset keeps this in the default suite; FLUX.1-dev's planning is the same code, checked for GRPO in
+    test_plan_arithmetic_for_flux_dev and against a measured NFT run in the slow nft-full case above.)"""
+    from fastvideo import flux
+    from fastvideo.config import parse_grpo_args, parse_nft_args, validate_grpo, validate_nft
+    from fastvideo.memory import plan_grpo, plan_nft
+
+    common = ["--pretrained_model_name_or_path", str(tiny_flux_dir), "--h", "64", "--w", "64", "--sampling_steps",
+              "10", "--num_generations", "8", "--prompts_per_step", "16", "--rollout_batch_size", "4",
+              "--train_batch_size", "2", "--reward", "hpsv2:1.0", "--mixed_precision", "bf16", "--kl_beta", "1e-4",
+              "--dry_run"]
+
+    def plan(parse, validate, planner, *extra):
+        args = parse([*common, *extra])
+        return {i.name: i.device for i in planner(args, validate(args, 8), 8, "cuda", compare_checkpointing=False).items}
+
+    n = sum(t.numel() for t in flux.build_transformer(str(tiny_flux_dir), dtype=torch.float32).parameters())
+    geometry = flux.latent_geometry(str(tiny_flux_dir), 64, 64)
+    b, L, C = 16, geometry.seq_len, geometry.packed_channels  # samples per rank: 16 prompts x 8 / 8 ranks
+    nft = plan(parse_nft_args, validate_nft, plan_nft, "--solver", "dpm2", "--eta", "0")
+    grpo = plan(parse_grpo_args, validate_grpo, plan_grpo)  # eta > 0: its SDE noise is a host item
+    assert nft["old policy: second transformer (fp32 master, sharded)"] == pytest.approx(4 * n / 8)
+    assert nft["reference policy (frozen, compute dtype)"] == pytest.approx(2 * n / 8)
+    assert not any(k.startswith("old policy") for k in grpo)
+    no_grad = nft["reference / old-policy forward (no grad)"]
+    assert no_grad == grpo["reference forward (no grad)"] > 0  # one at a time: the same transient
+    assert nft["v_old (fp32) kept through the trained forward"] == 4 * 2 * L * C
+    buffers = next(v for k, v in nft.items() if k.startswith("rollout buffers: clean latents B x L x C"))
+    grpo_buffers = next(v for k, v in grpo.items() if k.startswith("rollout buffers: latents B x (S+1)"))
+    assert buffers == 4 * b * L * C + 4 * b * 3 * 64 * 64  # the clean latents and the images
+    assert grpo_buffers - buffers == 4 * b * 11 * L * C  # GRPO keeps all S+1 = 11 latents too
+    lora = plan(parse_nft_args, validate_nft, plan_nft, "--solver", "dpm2", "--eta", "0", "--lora_rank", "4")
+    old = lora["old policy: adapter 'old' (fp32, sharded)"]
+    assert old == pytest.approx(lora["AdamW state (fp32 exp_avg + exp_avg_sq)"] / 2) and 0 < old < 4 * n / 8 / 10
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_extrapolation_equals_the_full_trace(lora):
     """The planner traces 2+2, 3+2 and 2+3 blocks and extrapolates linearly in the block counts: the same bytes as
