@@ -64,6 +64,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import build_run  # tests/ is on the path: conftest, or this file run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 8
 aten = torch.ops.aten
@@ -812,22 +814,9 @@ def _flags(shared: Shared, objective: Objective, variant: str, extra: tuple[str,
 def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, ...] = ()) -> Any:
     """The trainer's ``Run`` as ``start_run`` + ``load_models`` leave it (flags validated for the data-parallel size,
     device defaults resolved, policy built by ``build_policy``, optimizer, LR schedule, VAE), with ``backward``
-    replaced by ``_fake_backward``."""
-    from fastvideo import distributed, parallel, training
-    from fastvideo.seeding import NoiseSource
-
+    replaced by ``_fake_backward`` (``helpers.build_run``, the builder the CPU tests share)."""
     args = objective.parse(_flags(shared, objective, variant, extra))
-    dist = distributed.set_sequence_parallel(args.sp_size)
-    counts = training.with_sp_counts(objective.validate(args, dist.dp_size), dist.sp_size)
-    if hasattr(training, "resolve_device_defaults"):
-        training.resolve_device_defaults(args, dist.device.type)
-    run = training.Run(args=args, dist=dist, counts=counts, config={}, resume_dir=None,
-                       noise=NoiseSource(args.seed, device=args.noise_device),
-                       amp_dtype=training.compute_dtype(args.mixed_precision, dist.device))
-    run.policy = training.build_policy(args, dist.device, **objective.build(args))
-    run.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, run.policy.is_lora) == "backward"
-    run.optimizer = training.build_optimizer(run.policy, args)
-    run.lr_scheduler = training.build_lr_scheduler(run.optimizer, args, 10)
+    run = build_run(args, objective.validate, **objective.build(args))
     run.vae, run.geometry, run.reward_fn = shared.vae, shared.geometry, shared.reward
     run.backward = _fake_backward(run)
     return run

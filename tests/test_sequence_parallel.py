@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,21 +15,59 @@ from helpers import REPO, run_torchrun
 from test_train_grpo import common_args
 
 
-def test_sp2_equals_sp1_on_two_ranks(tiny_flux_dir, tiny_data):
-    """The same two samples with --sp_size 1 and 2 (gloo): the rollout's latents and images, the old log-probs, the
-    replayed loss and the gradients after the SP scaling agree to float rounding; an odd text length is padded with
-    zero embeddings exactly as an explicitly padded input."""
-    proc = run_torchrun([str(REPO / "tests" / "dist_scripts" / "sp_checks.py"), str(tiny_flux_dir), str(tiny_data)])
-    rows = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SP_CHECKS "))[10:])
-    assert [(r["dp_rank"], r["sp_rank"], r["dp_size"]) for r in rows] == [(0, 0, 1), (0, 1, 1)]
+def sp_check_rows(tiny_flux_dir: Path, tiny_data: Path, nproc: int) -> list[dict]:
+    """Every rank's row of dist_scripts/sp_checks.py on ``nproc`` ranks with --sp_size 2 (gloo)."""
+    proc = run_torchrun([str(REPO / "tests" / "dist_scripts" / "sp_checks.py"), str(tiny_flux_dir), str(tiny_data),
+                         "2"], nproc=nproc)
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SP_CHECKS "))[10:])
+
+
+def assert_sp2_matches_no_sp(rows: list[dict]) -> None:
+    """sp_checks.py's rows: --sp_size 2 agrees with no SP to float rounding (fp32), the gradient after
+    ``Run.backward`` and FSDP's reduction included; an odd text length differs only by its attended padding."""
     for r in rows:
         assert r["latents"] < 1e-5 * r["latents_scale"] and r["images"] < 1e-5
         assert r["log_probs"] < 1e-4
         assert r["loss_scale"] > 0 and r["loss"] < 1e-6 * max(1.0, r["loss_scale"])
-        assert r["params"] > 10 and r["grad_scale"] > 0 and r["grad_rel"] < 1e-5, r  # not 0.5 or 2: scaled right
+        assert r["loss_unsharded"] < 1e-6 * max(1.0, r["loss_scale"])
+        # the gradient vs the hand-assembled mean over replicas of unsharded, no-SP gradients, relative to its
+        # largest entry (measured 4e-7): a wrong --sp_size factor in Run.backward is off by 0.5 or more
+        assert r["params"] > 10 and r["grad_scale"] > 0 and r["grad_rel"] < 5e-6, (r["rank"], r["grad_rel"])
+        assert r["grad_rel_sp1"] < 5e-6, (r["rank"], r["grad_rel_sp1"])  # --sp_size 1, the same (measured 8e-8)
         assert r["odd_vs_padded_sp2"] == 0.0  # the padding is what predict_velocity adds
-        assert r["padded_sp1_vs_sp2"] < 1e-5
+        assert r["padded_sp1_vs_sp2"] < 1e-5 and r["odd_sp2_vs_padded_sp1"] < 1e-5
+        # 7 tokens: SP's 8th (zero) token is attended (docs/sequence-parallel.md), so sp 1 differs by what that
+        # padding changes without SP too (measured 0.043 of 2.3), and by nothing else
+        assert r["odd_sp1_vs_sp2"] < 0.05 * r["odd_scale"], (r["odd_sp1_vs_sp2"], r["odd_scale"])
+        assert abs(r["odd_sp1_vs_sp2"] - r["odd_padding_sp1"]) < 1e-5, (r["odd_sp1_vs_sp2"], r["odd_padding_sp1"])
         assert r["backends"] == ["native"]
+
+
+def test_sp2_equals_sp1_on_two_ranks(tiny_flux_dir, tiny_data):
+    """The same two samples with no SP (unsharded), --sp_size 1 (FSDP over both ranks, both holding the batch) and
+    --sp_size 2 (one SP group of both ranks), every backward through ``training.Run.backward``: the rollout's latents
+    and images, the old log-probs, the replayed loss and the reduced gradients agree to float rounding; an odd text
+    length is padded with zero embeddings exactly as an explicitly padded input."""
+    rows = sp_check_rows(tiny_flux_dir, tiny_data, 2)
+    assert [(r["dp_rank"], r["sp_rank"], r["dp_size"], r["sp_size"]) for r in rows] == [(0, 0, 1, 2), (0, 1, 1, 2)]
+    assert_sp2_matches_no_sp(rows)
+    assert all(r["replica_spread"] == 0.0 for r in rows)  # one replica: the reference is its gradient
+
+
+# slow for the default suite's time (4 ranks on the CPU): Run.backward's SP scaling, FSDP's reduction and the same
+# checks run in the default suite in test_sp2_equals_sp1_on_two_ranks (dp 1 x sp 2)
+@pytest.mark.slow
+def test_dp2_sp2_gradient_is_the_mean_over_replicas(tiny_flux_dir, tiny_data):
+    """dp 2 x sp 2 on 4 ranks: each replica's 2 samples (its prompts and noise seed), every backward through
+    ``training.Run.backward``; the gradient FSDP reduces over the 4 ranks is the mean over the 2 replicas of their
+    unsharded, no-SP gradients (gathered and averaged by hand), as is --sp_size 1's with the same data."""
+    rows = sp_check_rows(tiny_flux_dir, tiny_data, 4)
+    assert [(r["dp_rank"], r["sp_rank"], r["dp_size"], r["sp_size"]) for r in rows] == [
+        (0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]
+    assert_sp2_matches_no_sp(rows)
+    # the replicas' gradients differ by about their size (measured 1.0 of the largest entry): a sum over replicas,
+    # or one replica's gradient, is far from the mean
+    assert all(r["replica_spread"] > 0.1 for r in rows)
 
 
 @pytest.fixture(scope="module")
