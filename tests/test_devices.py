@@ -1,12 +1,15 @@
 """fastvideo.devices (one code path for CUDA / Ascend NPU / CPU) and FLUX's float32 rotary embedding.
 
-torch_npu is absent here: the CPU fallbacks run for real, and the NPU branches run against a fake ``torch.npu``.
+The CPU fallbacks run for real on a host made accelerator-free (``no_accelerator``: torch_npu unimportable, CUDA
+reported absent) whatever this machine has; the CUDA and NPU branches run against a fake ``torch.cuda`` /
+``torch.npu``. No assertion depends on the host's hardware.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import random
+import sys
 import types
 import warnings
 
@@ -23,7 +26,15 @@ TINY_AXES = [(4, 6, 6), (8, 28, 28)]  # fastvideo.tiny presets "tiny" and "bench
 
 
 # ------------------------------------------------------------------------------------------- CPU fallbacks
-def test_torch_npu_absent_means_no_npu():
+@pytest.fixture
+def no_accelerator(monkeypatch) -> None:
+    """A host without accelerators whatever this one has: torch_npu unimportable, CUDA reported absent."""
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # find_spec -> None, as when it is not installed
+    monkeypatch.setattr(devices, "_NPU_IMPORTED", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_torch_npu_absent_means_no_npu(no_accelerator):
     assert devices.import_npu() is False
     assert devices.import_npu() is False  # cached, still False
     assert distributed.npu_available() is False
@@ -60,29 +71,28 @@ def _draw() -> tuple:
     return random.random(), float(np.random.rand()), torch.rand(3)
 
 
-def test_rng_state_round_trip_on_cpu():
+def test_rng_state_round_trip_on_cpu(no_accelerator):
     state = seeding.rng_state()
-    if not torch.cuda.is_available():
-        assert "cuda" not in state and "npu" not in state
+    assert set(state) == {"python", "numpy", "torch"}  # no accelerator entry on a CPU host
     first = _draw()
     seeding.set_rng_state(state)
     again = _draw()
     assert first[:2] == again[:2] and torch.equal(first[2], again[2])
 
 
-def test_rng_state_reads_checkpoints_with_or_without_accelerator_entries():
-    base = {k: v for k, v in seeding.rng_state().items() if k in ("python", "numpy", "torch")}
+def test_rng_state_reads_checkpoints_with_or_without_accelerator_entries(no_accelerator):
+    base = seeding.rng_state()
     first = _draw()
     seeding.set_rng_state(base)  # an old checkpoint with neither "cuda" nor "npu"
     assert torch.equal(_draw()[2], first[2])
-    if not torch.cuda.is_available():  # a CUDA run's checkpoint resumed on this host: the CUDA entry is skipped
-        seeding.set_rng_state({**base, "cuda": [torch.zeros(16, dtype=torch.uint8)]})
-        assert torch.equal(_draw()[2], first[2])
+    # a CUDA / NPU run's checkpoint resumed on this CPU host: the accelerator entries are skipped
+    seeding.set_rng_state({**base, "cuda": [torch.zeros(16, dtype=torch.uint8)], "npu": [torch.ones(8)]})
+    assert torch.equal(_draw()[2], first[2])
 
 
 # ----------------------------------------------------------------------------------- NPU branches, faked
 class FakeNPU(types.ModuleType):
-    """The parts of ``torch.npu`` that devices.py uses, recording calls."""
+    """The parts of ``torch.npu`` (and of ``torch.cuda``: the same API) that devices.py uses, recording calls."""
 
     def __init__(self):
         super().__init__("torch.npu")
@@ -139,15 +149,26 @@ def test_npu_branches_use_torch_npu(fake_npu):
     assert len(fake_npu.calls) == 3
 
 
-def test_npu_rng_state_is_stored_and_restored(fake_npu):
+@pytest.fixture(params=["cuda", "npu"])
+def fake_accelerator(request, monkeypatch, no_accelerator) -> tuple[str, FakeNPU]:
+    """A host with exactly one accelerator type, faked: ``torch.cuda`` or ``torch.npu`` is a recording FakeNPU."""
+    kind, fake = request.param, FakeNPU()
+    monkeypatch.setattr(torch, kind, fake, raising=False)
+    monkeypatch.setattr(devices, "import_npu", lambda: kind == "npu")
+    return kind, fake
+
+
+def test_accelerator_rng_state_is_stored_and_restored(fake_accelerator):
+    kind, fake = fake_accelerator
     state = seeding.rng_state()
-    assert [torch.equal(a, b) for a, b in zip(state["npu"], fake_npu.rng)] == [True, True]
+    assert set(state) == {"python", "numpy", "torch", kind}
+    assert [torch.equal(a, b) for a, b in zip(state[kind], fake.rng)] == [True, True]
     seeding.set_rng_state(state)
-    (name, restored), = fake_npu.calls
-    assert name == "set_rng_state_all" and all(torch.equal(a, b) for a, b in zip(restored, fake_npu.rng))
-    fake_npu.calls.clear()
-    seeding.set_rng_state({k: v for k, v in state.items() if k != "npu"})  # a checkpoint from a CPU/CUDA run
-    assert fake_npu.calls == []
+    (name, restored), = fake.calls
+    assert name == "set_rng_state_all" and all(torch.equal(a, b) for a, b in zip(restored, fake.rng))
+    fake.calls.clear()
+    seeding.set_rng_state({k: v for k, v in state.items() if k != kind})  # a checkpoint from another device type
+    assert fake.calls == []
 
 
 @pytest.fixture
@@ -325,6 +346,7 @@ def test_npu_attention_backend_when_diffusers_offers_it(tiny_transformer, monkey
     # diffusers' set_attention_backend also sets a process-wide active backend: restore it for the tests after this one
     registry = attention_dispatch._AttentionBackendRegistry
     monkeypatch.setattr(registry, "_active_backend", registry._active_backend)
+    monkeypatch.setattr(attention_dispatch, "_CAN_USE_NPU_ATTN", False)  # as without torch_npu, whatever this host has
     with warnings.catch_warnings(record=True) as caught:  # no torch_npu: diffusers refuses, we warn and go on
         warnings.simplefilter("always")
         done = flux.prepare_for_device(tiny_transformer, "npu", param_dtype=torch.bfloat16)

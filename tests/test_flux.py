@@ -148,9 +148,13 @@ def test_predict_velocity_sigma_and_guidance(pipe, encoders):
         # bf16 model with fp32 inputs: inputs are cast, output is float32
         bf16 = flux.load_transformer(pipe.config._name_or_path, dtype=torch.bfloat16)
         out = flux.predict_velocity(bf16, x, 0.7, *args)
-        assert out.dtype == torch.float32
-        # loose: diffusers casts timestep and guidance to bf16 before x1000 (3.5 -> 3504 in the sinusoids)
-        assert torch.isfinite(out).all() and (out - v).norm() / v.norm() < 0.5
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        # diffusers multiplies timestep and guidance by 1000 in the model's dtype: bf16(0.7 x 1000) = 700 but
+        # bf16(3.5 x 1000) = 3504, a different guidance embedding (0.22 relative error against the fp32 forward).
+        # The fp32 forward fed those same rounded values is the bf16 forward up to bf16 rounding: measured 0.0069.
+        as_bf16 = lambda value: (torch.tensor(value).to(torch.bfloat16) * 1000).item() / 1000  # noqa: E731
+        rounded = flux.predict_velocity(pipe.transformer, x, as_bf16(0.7), *args, guidance=as_bf16(3.5))
+        assert ((out - rounded).norm() / rounded.norm()).item() < 0.02
 
 
 def test_predict_velocity_without_guidance_embedding(pipe, encoders):

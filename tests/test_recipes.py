@@ -1,7 +1,7 @@
 """scripts/recipes/*.yaml: each recipe names its trainer on its first line, parses with that trainer's --config,
 validates for 8 ranks, plans within 80 GB per GPU on FLUX.1-dev's configs (the trainer's own --dry_run, run in two
-worker processes), states that plan in its header, holds no machine-specific paths, and cites a source for every
-value."""
+worker processes), states that plan in its header, holds no machine-specific paths, names its source repository, and
+cites a source (or "ours") for every value."""
 from __future__ import annotations
 
 import json
@@ -35,6 +35,14 @@ MACHINE_KEYS = {"pretrained_model_name_or_path", "data_json_path", "output_dir",
                 "latent_cache_dir", "resume_from", "record_dir", "replay_dir", "dry_run", "dry_run_world_size",
                 "dry_run_device_memory_gb", "config"}
 KEY_LINE = re.compile(r"^([A-Za-z_]\w*)\s*:")
+# A value's source, in the recipes' convention: "ours" (our own choice), or a pointer into the source it reproduces:
+# a URL, an arXiv id, a flag of its launch script (--h 720), a file of its repository (base.py, scripts/train_flux.py),
+# a config key or attribute (config.train.beta, actor.optim.lr, EMAModuleWrapper.get_current_decay), an assignment in
+# its code or script (r=64, seed=714) or an identifier of its code (train_one_step, FSDP_EMA). Prose alone is none.
+CITATION = re.compile(r"\bours\b|https?://\S+|\barXiv:?\s?\d{4}\.\d{4,5}|(?<![\w-])--[a-z]\w*|[\w/-]+\.(?:py|sh|yaml)\b"
+                      r"|\b[A-Za-z_]\w+(?:\.[A-Za-z_]\w*)+|\b[A-Za-z_]\w*=(?!=)|\b[A-Za-z][A-Za-z0-9]*_\w+")
+# the header names the source repository and a file in it: "owner/name path/to/file.py"
+HEADER_SOURCE = re.compile(r"\b[\w-]+/[\w.-]+ [\w./-]+\.(?:py|sh|yaml)\b")
 HEADER_PLAN = re.compile(r"Memory \(--dry_run --dry_run_world_size 8[^)]*\): (\d+(?:\.\d+)?) GiB per GPU, fits")
 PEAK_LINE = re.compile(r"peak per rank = persistent \+ \w+\s+(\d+(?:\.\d+)?)")
 
@@ -136,13 +144,37 @@ def test_recipes_exist():
     assert not [p.name for p in RECIPE_DIR.iterdir() if p.suffix != ".yaml"], "scripts/recipes/ holds only YAMLs"
 
 
+def _comment_of(lines: list[str], i: int) -> str:
+    """Key line ``i``'s own ``# ...`` and the comment lines right above it (a ``# ----`` header documents a section)."""
+    above = []
+    for line in reversed(lines[:i]):
+        stripped = line.strip()
+        if not stripped.startswith("#") or stripped.startswith("# ----"):
+            break
+        above.insert(0, stripped.lstrip("#").strip())
+    value = lines[i].split(":", 1)[1]
+    return " ".join(above + ([value.split("#", 1)[1].strip()] if "#" in value else []))
+
+
+def _citations(comment: str, own_names: set[str]) -> list[str]:
+    """The CITATIONs in ``comment``, but for bare names of our own keys and values (they point at no source)."""
+    return [m.group(0) for m in CITATION.finditer(comment) if m.group(0) not in own_names]
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_value_cites_its_source(recipe):
-    """Every key line carries a comment on the same line or on the comment line(s) directly above it; every
-    non-comment line is a key line or the continuation of one (a multi-line list), so no value escapes the rule."""
-    lines = recipe.read_text().splitlines()
-    data = yaml.safe_load(recipe.read_text())
+    """The header names the source repository and a file in it; every key line's comment (same line or the comment
+    lines directly above) cites where its value comes from (CITATION: a flag, file, config key or identifier of the
+    source, a URL / arXiv id, or "ours"); every non-comment line is a key line or the continuation of one (a multi-line
+    list), so no value escapes the rule."""
+    text = recipe.read_text()
+    lines = text.splitlines()
+    data = yaml.safe_load(text)
     assert isinstance(data, dict) and data, f"{recipe.name}: not a mapping"
+    header = " ".join(line.lstrip("#").strip() for line in lines[:next(i for i, line in enumerate(lines)
+                                                                          if not line.startswith("#"))])
+    assert HEADER_SOURCE.search(header), f"{recipe.name}: the header must name its source ('owner/repo path/file.py')"
+    own_names = set(data) | {str(v) for v in data.values() if not isinstance(v, list)}
     keys = []
     for i, line in enumerate(lines):
         stripped = line.strip()
@@ -154,9 +186,10 @@ def test_every_value_cites_its_source(recipe):
                 f"{recipe.name}:{i + 1}: neither a key line nor a continuation of one: {line!r}"
             continue
         keys.append(match.group(1))
-        same_line = "#" in line.split(":", 1)[1]
-        above = i > 0 and lines[i - 1].strip().startswith("#")
-        assert same_line or above, f"{recipe.name}:{i + 1}: {match.group(1)} has no source comment: {line!r}"
+        comment = _comment_of(lines, i)
+        assert _citations(comment, own_names), \
+            f"{recipe.name}:{i + 1}: {match.group(1)}'s comment cites no source (a flag, file, config key or " \
+            f"identifier of the source, a URL, or 'ours'): {comment!r}"
     assert keys == list(data), f"{recipe.name}: key lines {keys} do not match the YAML keys {list(data)}"
     assert len(set(keys)) == len(keys), f"{recipe.name}: duplicate keys"
     leaked = MACHINE_KEYS & set(keys)

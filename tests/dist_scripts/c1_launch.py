@@ -17,14 +17,14 @@ class DistResults:
     output: str  # stdout + stderr (tails) for failure messages
     work_dir: Path
 
-    def assert_section_ok(self, section: str, expected_min: int) -> list[str]:
-        """All checks named ``section/...`` passed (and at least ``expected_min`` of them ran)."""
+    def assert_section_ok(self, section: str, expected: int) -> list[str]:
+        """All ``section/...`` checks passed and exactly ``expected`` ran: a check that stops running fails here."""
         names = [n for n in self.status if n.startswith(section + "/")]
         failed = [n for n in names if not self.status[n]]
-        if len(names) >= expected_min and not failed:
+        if len(names) == expected and not failed:
             return names
         details = [self.output[m.start():m.start() + 2500] for m in re.finditer(r"^FAILURE ", self.output, re.M)]
-        raise AssertionError(f"{section}: ran {len(names)} checks (expected >= {expected_min}), failed {failed}\n"
+        raise AssertionError(f"{section}: ran {len(names)} checks (expected {expected}): {names}, failed {failed}\n"
                              + ("\n".join(details) if details else self.output[-12000:]))
 
 

@@ -93,16 +93,19 @@ def check_resume(model_dir, work_dir: Path, version: int, lora: bool, **shard_kw
     model, opt, sched, ema = build(model_dir, lora, version, **shard_kwargs)
     step(model, opt, sched, ema, 0, True)
     saved_params, saved_optim, saved_ema = local_tensors(model), optim_tensors(opt), [t.clone() for t in ema.shadow]
+    saved_rng = torch.get_rng_state()
     path = save_checkpoint(checkpoint_path(out, 1), model=model, optimizer=opt, lr_scheduler=sched, ema=ema,
-                           extra={"step": 1, "rank": rank, "rng": torch.get_rng_state()})
+                           extra={"step": 1, "rank": rank, "rng": saved_rng})
     assert latest_checkpoint(out) == path
     del model, opt, sched, ema
 
     model, opt, sched, ema = build(model_dir, lora, version, perturb=7, **shard_kwargs)
     differs = any(not torch.equal(a, b) for a, b in zip(local_tensors(model), saved_params))
     assert any(distributed.all_gather_object(differs)), "the fresh model must differ before loading"
+    torch.rand(100)  # move the global RNG on: the state loaded must be this rank's saved one, not the current one
+    assert not torch.equal(torch.get_rng_state(), saved_rng)
     extra = load_checkpoint(path, model=model, optimizer=opt, lr_scheduler=sched, ema=ema)
-    assert extra["step"] == 1 and extra["rank"] == rank, extra
+    assert extra["step"] == 1 and extra["rank"] == rank and torch.equal(extra["rng"], saved_rng), extra
     assert_all_equal(local_tensors(model), saved_params, "params after load")
     assert_all_equal(optim_tensors(opt), saved_optim, "optimizer state after load")
     assert_all_equal(ema.shadow, saved_ema, "EMA after load")
