@@ -1,11 +1,16 @@
 """Test helpers: run a script under torchrun with the current interpreter on a free port."""
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from fastvideo.training import Run
 
 REPO = Path(__file__).resolve().parents[1]
 # metrics that depend on the machine's speed or memory, not on the computation (left out when runs are compared)
@@ -69,3 +74,122 @@ def validate_flags(tmp_path: Path, parse, validate, *flags: str, world: int = 1)
     data.write_text("{}")
     return validate(parse(["--pretrained_model_name_or_path", str(model), "--data_json_path", str(data), *flags]),
                     world)
+
+
+def build_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, int], dict[str, int]],
+              **build: bool) -> Run:
+    """A trainer's ``Run`` as ``training.start_run`` + ``Run.load_models`` leave it, in this process and without
+    files, memory plan, VAE or reward (flags validated for the data-parallel size, device defaults resolved, the policy
+    by ``build_policy(**build)``, optimizer, a 10-step LR schedule): for tests that call an ``update_policy`` directly;
+    the caller sets ``vae`` / ``geometry`` / ``reward_fn`` as it needs them."""
+    from fastvideo import distributed, parallel, training
+    from fastvideo.seeding import NoiseSource
+
+    dist = distributed.set_sequence_parallel(args.sp_size)
+    counts = training.with_sp_counts(validate(args, dist.dp_size), dist.sp_size)
+    training.resolve_device_defaults(args, dist.device.type)
+    run = training.Run(args=args, dist=dist, counts=counts, config={}, resume_dir=None,
+                       noise=NoiseSource(args.seed, device=args.noise_device),
+                       amp_dtype=training.compute_dtype(args.mixed_precision, dist.device))
+    run.policy = training.build_policy(args, dist.device, **build)
+    run.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, run.policy.is_lora) == "backward"
+    run.optimizer = training.build_optimizer(run.policy, args)
+    run.lr_scheduler = training.build_lr_scheduler(run.optimizer, args, 10)
+    return run
+
+
+def child_pids(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc): torchrun's ranks, to signal them as Slurm would."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def stop_with_sigterm(args: list[str], out: Path, max_steps: int, target: str = "ranks", nproc: int = 2) -> int:
+    """Run ``torchrun args`` (``out``: its --output_dir, ``max_steps``: its --max_train_steps), SIGTERM every rank (as
+    Slurm does) or, ``target`` "torchrun", torchrun (which forwards it) once step 1 is logged, and check the stop the
+    README promises: exit 0 (1 when torchrun was signalled), one checkpoint message, a checkpoint of the step it
+    stopped after, that many metrics rows, no export; returns that step (2 or more: step 1 was already logged)."""
+    import signal
+    import tempfile
+    import time
+
+    from fastvideo.checkpoint import checkpoint_step
+    from fastvideo.logging import read_metrics
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    metrics = out / "metrics.jsonl"
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a full pipe would block the ranks while we wait
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not metrics.is_file() or not metrics.read_text().strip():
+                assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+                time.sleep(0.05)
+            ranks = child_pids(proc.pid)  # step 1 is logged: the ranks are in step 2 (or later on a slow machine)
+            assert len(ranks) == nproc, ranks
+            for pid in ranks if target == "ranks" else [proc.pid]:
+                os.kill(pid, signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+            log.seek(0)
+            output = log.read()
+    assert proc.returncode == (0 if target == "ranks" else 1), output[-3000:]
+    stopped = max(checkpoint_step(p) for p in (out / "checkpoints").iterdir())
+    assert 2 <= stopped < max_steps, output[-3000:]
+    assert output.count(f"SIGTERM: stopped after step {stopped} of {max_steps}; checkpoint") == 1, output[-3000:]
+    assert not (out / "final").exists()
+    assert len(read_metrics(metrics)) == stopped
+    return stopped
+
+
+def assert_sigterm_resume_matches(args: list[str], straight: Path, out: Path, max_steps: int, target: str = "ranks",
+                                  nproc: int = 2) -> None:
+    """``stop_with_sigterm`` a run of ``args`` (writing to ``out``), continue it with --resume_from latest, and check
+    that it ends exactly like ``straight``, the same run uninterrupted: same metrics, and an export."""
+    stop_with_sigterm(args, out, max_steps, target, nproc)
+    run_torchrun([*args, "--resume_from", "latest"], nproc=nproc)
+    assert_same_metrics(straight, out)
+    assert (out / "final").is_dir()
+
+
+def assert_resume_matches(straight: Path, out: Path, step: int, args: list[str], nproc: int = 2) -> None:
+    """Copy the finished run ``straight`` to ``out`` as if it had stopped after ``step`` (no later checkpoint, no
+    export), continue it with ``torchrun args --resume_from latest`` (``args`` writing to ``out``) and check that it
+    logs the same metrics as ``straight``: a resume test at the cost of the steps after ``step`` only."""
+    import shutil
+
+    from fastvideo.checkpoint import checkpoint_step
+
+    shutil.copytree(straight, out)
+    for path in (out / "checkpoints").iterdir():
+        if checkpoint_step(path) > step:
+            shutil.rmtree(path)
+    shutil.rmtree(out / "final")
+    run_torchrun([*args, "--resume_from", "latest"], nproc=nproc)
+    assert_same_metrics(straight, out)
+
+
+def assert_same_metrics(straight: Path, resumed: Path) -> None:
+    """The run in folder ``resumed`` logged the same steps and values as ``straight`` (the LR column included), timings
+    aside: the check that a resumed run continued exactly."""
+    from fastvideo.logging import read_metrics
+
+    def comparable(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in b] == [r["step"] for r in a], ([r["step"] for r in a], [r["step"] for r in b])
+    for x, y in zip(map(comparable, a), map(comparable, b)):
+        diff = {k: (x.get(k), y.get(k)) for k in x.keys() | y.keys() if x.get(k) != y.get(k)}
+        assert not diff, f"step {x['step']}: (straight, resumed) differ in {diff}"
