@@ -180,13 +180,15 @@ def assert_resume_matches(straight: Path, out: Path, step: int, args: list[str],
     assert_same_metrics(straight, out)
 
 
+def comparable(row: dict) -> dict:
+    """A metrics row without its timing and memory keys: what two runs of the same computation must agree on."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
+
+
 def assert_same_metrics(straight: Path, resumed: Path) -> None:
     """The run in folder ``resumed`` logged the same steps and values as ``straight`` (the LR column included), timings
     aside: the check that a resumed run continued exactly."""
     from fastvideo.logging import read_metrics
-
-    def comparable(row: dict) -> dict:
-        return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
 
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in b] == [r["step"] for r in a], ([r["step"] for r in a], [r["step"] for r in b])

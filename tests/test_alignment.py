@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TIMING_KEYS, run_torchrun
+from helpers import REPO, run_torchrun
+from helpers import comparable as comparable_row
 
 from fastvideo import compare, record
 from fastvideo.logging import read_metrics
@@ -36,7 +37,7 @@ def trainer_args(algo: str, model: Path, data: Path, out: Path, *extra: str) -> 
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
+    return [comparable_row(row) for row in rows]
 
 
 def run_compare(*argv: str) -> subprocess.CompletedProcess:

@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port, run_torchrun
-from test_train_grpo import common_args, comparable
+from helpers import REPO, comparable, free_port, run_torchrun
+from test_train_grpo import common_args
 
 from fastvideo.logging import read_metrics
 

@@ -8,21 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_lora_changes_pipeline, assert_resume_matches, assert_sigterm_resume_matches, run_torchrun
+from helpers import (assert_lora_changes_pipeline, assert_resume_matches, assert_sigterm_resume_matches, comparable,
+                     run_torchrun)
 
 from fastvideo.logging import read_metrics
 
-TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb", "tflops_", "mfu")
 
 
 def nft_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return ["train_nft.py", "--pretrained_model_name_or_path", str(model), "--data_json_path", str(data),
             "--output_dir", str(out), "--device", "cpu", "--h", "64", "--w", "64", "--sampling_steps", "4",
             "--rollout_batch_size", "8", "--train_batch_size", "1", "--seed", "5", "--no-progress_bar", *extra]
-
-
-def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)}
 
 
 # 3 prompts x 2 images over 2 ranks (group 1 spans both ranks), 2 micro-batches per rank -> one optimizer step;
