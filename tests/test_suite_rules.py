@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 TESTS = Path(__file__).resolve().parent
 
 
@@ -27,6 +26,7 @@ def child_pytest(tmp_path: Path, source: str, *, ci: bool, timeout_s: int | None
 
 
 RUNTIME_SKIP = """
+import pytest
 
 def test_needs_a_missing_package():
     pytest.importorskip("a_package_nobody_installed")
@@ -37,6 +37,7 @@ def test_runs():
 
 DECLARED_SKIP = """
 import sys
+import pytest
 
 @pytest.mark.skipif(sys.platform != "nonexistent-os", reason="the variant for another OS")
 def test_declared_variant():

@@ -65,7 +65,7 @@ def test_share_pairs_covers_each_pair_once_with_mean_weights(n, world):
 def test_pair_members_share_noise_and_sigma(tiny_flux_dir):
     """Both images of a pair see the same eps and sigma (identical images -> identical errors), and a pair's draw
     does not depend on which other pairs are in the batch (rank / micro-batch layout)."""
-    from fastvideo import flux
+    from fastvideo.models import flux
     from fastvideo.rollout import pair_errors, pair_noise
     from fastvideo.seeding import NoiseSource
 
@@ -183,12 +183,18 @@ def test_online_run_writes_every_metric(online_runs):
 
 def test_pairs_spanning_ranks_match_one_process(online_runs):
     """Group 1 of each step is sampled half on rank 0, half on rank 1: gathering before pairing makes the 2-rank
-    run pick the same pairs, with the same noise, as one process."""
+    run pick the same pairs, with the same noise, as one process.
+
+    The rewards agree to 1e-5: the tiny HPS scores the same images in other batch compositions, whose kernels round
+    differently (measured: reward_mean -0.0060001 vs -0.0059991, 9.6e-7 apart, reward_margin 7e-7 apart, on one CPU),
+    while another pair or other noise moves them by the spread of the scores (reward_std 0.15 here)."""
     two = read_metrics(online_runs["two"] / "metrics.jsonl")
     one = read_metrics(online_runs["one"] / "metrics.jsonl")
     for a, b in zip(one, two[:2]):
-        for key in ("reward_mean", "reward_margin", "trained_pairs", "skipped_pairs"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        assert a["trained_pairs"] == b["trained_pairs"] and a["skipped_pairs"] == b["skipped_pairs"], a["step"]
+        assert a["reward_std"] > 1e4 * 1e-5, "the rewards' spread must dwarf the tolerance"
+        for key in ("reward_mean", "reward_margin"):
+            assert a[key] == pytest.approx(b[key], rel=0, abs=1e-5), (a["step"], key)
         for key in ("loss", "err_w", "err_l", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
