@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="diffusers FLUX folder (needs text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
     p.add_argument("--prompt_file", required=True, help="UTF-8 text file, one prompt per line, blank lines skipped")
     p.add_argument("--output_dir", required=True, help="directory for manifest.json and the safetensors shards")
+    p.add_argument("--model_family", default="auto",
+                   help="model family adapter: auto (from model_index.json) | flux1 | package.module:Class "
+                        "(docs/model-families.md)")
     p.add_argument("--max_sequence_length", type=int, default=512,
                    help="T5 tokens per prompt, 1..512 (longer prompts are truncated and counted); 512 for FLUX.1-dev")
     p.add_argument("--batch_size", type=int, default=8, help="prompts per text-encoder forward pass")
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
         writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
                                    max_sequence_length=args.max_sequence_length, dtype=args.dtype,
-                                   shard_size=args.shard_size)
+                                   shard_size=args.shard_size, model_family=args.model_family)
     dist = distributed.init_distributed(args.device)
     start = time.perf_counter()
     done = write_prompt_store(writer, device=dist.device, batch_size=args.batch_size)

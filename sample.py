@@ -67,10 +67,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def load_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The transformer to sample with: the base model's, --transformer_path's, or the base with --lora_path's
     adapter (loaded the way FluxPipeline.load_lora_weights loads it), in eval mode."""
-    from fastvideo import flux, lora
+    from fastvideo import lora, models
 
-    model = flux.load_transformer(args.transformer_path or args.pretrained_model_name_or_path, dtype=dtype,
-                                  device=device)
+    model = models.family_for(args).load_transformer(args.transformer_path or args.pretrained_model_name_or_path,
+                                                     dtype=dtype, device=device)
     if args.lora_path is not None:
         lora.load_lora_from_diffusers(model, args.lora_path)
     return model.requires_grad_(False).eval()
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> None:
     """Encode the prompts (and check them against the reward and --compare), load the models, sample and score this
     rank's images, then rank 0 writes the index, the summary and (--compare) the side-by-side grid."""
-    from fastvideo import flux
+    from fastvideo import models
     from fastvideo.config import save_config
     from fastvideo.data import EmbeddingDataset
     from fastvideo.devices import ACCELERATOR_TYPES
@@ -107,9 +107,9 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     # ---- 1. prompts: a prompt file is encoded once (text encoders only), a manifest is read as it is ----------
     manifest = evaluation.prompt_manifest(args.prompts, args.pretrained_model_name_or_path, out / "embeddings",
                                           max_sequence_length=args.max_sequence_length, dtype=args.embedding_dtype,
-                                          device=dist.device)
+                                          device=dist.device, model_family=models.spec_of(args))
     dataset = EmbeddingDataset(manifest)
-    dataset.check_encoders(args.pretrained_model_name_or_path)
+    dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
     n = min(args.max_prompts or len(dataset), len(dataset))
     if args.reward:
         check_reward_prompts(args.reward, dataset.prompts[:n], f"--prompts {args.prompts}")
@@ -123,13 +123,15 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
                  if args.reward else None)
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     model = load_model(args, dist.device, amp_dtype or torch.float32)
-    vae = flux.load_vae(args.pretrained_model_name_or_path, dtype=amp_dtype or torch.float32,
-                        device=dist.device)  # decodes in the compute dtype, as FluxPipeline
-    geometry = flux.latent_geometry(vae, args.h, args.w)
+    family = models.family_for(args)
+    vae = family.load_vae(args.pretrained_model_name_or_path, dtype=amp_dtype or torch.float32,
+                          device=dist.device)  # decodes in the compute dtype, as FluxPipeline
+    geometry = family.latent_geometry(vae, args.h, args.w)
     decode_batch = 0  # the CPU decodes a whole batch per call; a GPU/NPU in calls planned within 4 GiB
     if dist.device.type in ACCELERATOR_TYPES:
         decode_batch = auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w,
-                                              amp_dtype or torch.float32, args.batch_size)
+                                              amp_dtype or torch.float32, args.batch_size,
+                                              model_family=models.spec_of(args))
     cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
                                 guidance=args.guidance_scale, batch_size=args.batch_size,
                                 decode_batch_size=decode_batch)

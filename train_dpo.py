@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fastvideo import distributed as D
-from fastvideo import devices, errors, flops, flux, training
+from fastvideo import devices, errors, flops, models, training
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.config import parse_dpo_args, validate_dpo
 from fastvideo.data import EmbeddingDataset, GroupSampler
@@ -172,21 +172,22 @@ def update_policy(run: training.Run, pair_batch: dict, x0_w: torch.Tensor, x0_l:
     return out
 
 
-def encode_pairs(run: training.Run, pairs: list, geometry: flux.LatentGeometry) -> LatentCache:
+def encode_pairs(run: training.Run, pairs: list, geometry) -> LatentCache:
     """VAE latents of every pair image, encoded once in batches by an fp32 VAE (each rank its share of the chunks) and
     cached next to the run; a re-run or resume reuses what is there."""
     args = run.args
+    family = models.family_for(args)
     cache = LatentCache(Path(args.latent_cache_dir or run.out / "preference_latents"), pairs,
-                        vae_fingerprint=flux.vae_fingerprint(args.pretrained_model_name_or_path), height=args.h,
+                        vae_fingerprint=family.vae_fingerprint(args.pretrained_model_name_or_path), height=args.h,
                         width=args.w)
     if run.dist.is_main:
         cache.prepare()
     D.barrier()
     # the cache holds fp32 latents whatever the compute dtype (the run's VAE decodes in bf16 on accelerators)
-    vae = run.vae if next(run.vae.parameters()).dtype == torch.float32 else flux.load_vae(
+    vae = run.vae if next(run.vae.parameters()).dtype == torch.float32 else family.load_vae(
         args.pretrained_model_name_or_path, device=run.device)
     cache.build(vae, geometry, device=run.device, rank=run.dist.rank, world_size=run.dist.world_size,
-                batch_size=args.rollout_batch_size)
+                batch_size=args.rollout_batch_size, family=family)
     del vae
     D.barrier()
     return cache

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.rollout import RolloutConfig, rollout
 from fastvideo.seeding import NoiseSource
 from fastvideo.tiny import PRESETS, build_tiny_flux

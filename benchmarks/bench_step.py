@@ -155,7 +155,8 @@ def random_weights(seed: int = 0) -> Iterator[None]:
     config) and the text encoders' outputs (random T5/CLIP embeddings of the config's widths, seeded per prompt)."""
     import zlib
 
-    from fastvideo import flux, weights
+    from fastvideo import weights
+    from fastvideo.models import flux
 
     def load_shards(fn):
         def wrapper(model, folder, skip=lambda name: False):
@@ -503,7 +504,7 @@ def table(summary: dict) -> str:
 # ------------------------------------------------------------------------------------------------ the orchestrator
 def prepare(cfg: dict, tmp: Path) -> tuple[dict, int, int]:
     """The model folder and the embeddings of the benchmark prompts; returns (transformer config, T, L)."""
-    from fastvideo import flux
+    from fastvideo.models import flux
     from fastvideo.data import open_prompt_store, write_prompt_store
     from fastvideo.tiny import build_tiny_flux
 
@@ -528,7 +529,8 @@ def profile_forward(cfg: dict, dtype: str, top: int = 8) -> list[dict]:
     the ``top`` operators by self time with their share, from ``torch.profiler`` (what explains the MFU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fastvideo import devices, flux
+    from fastvideo import devices
+    from fastvideo.models import flux
 
     device = torch.device(cfg["device"])
     if cfg["model"] == FLUX_DEV_SHAPE:  # weights in memory, as in the worker

@@ -32,6 +32,8 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
 class ModelOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers FLUX folder (model_index.json, transformer/, vae/, ...); required")
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | "
+                                    "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     data_json_path: str | None = opt(
         None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")
     output_dir: str = opt("outputs/grpo", "run folder: config.json, metrics.jsonl, samples/, checkpoints/, final/")
@@ -255,6 +257,8 @@ class SampleOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers FLUX folder (text encoders, VAE, and the transformer unless --transformer_path); "
         "required unless --run_dir")
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | "
+                                    "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     lora_path: str | None = opt(None, "LoRA folder applied to the base transformer: a trainer's OUTPUT_DIR/final "
                                       "(--lora_rank > 0) or any folder FluxPipeline.load_lora_weights loads")
     transformer_path: str | None = opt(None, "full transformer folder used instead of the base one: a trainer's "
@@ -680,9 +684,10 @@ def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> N
 def check_parallel_inputs(args: argparse.Namespace) -> None:
     """--sp_size (diffusers support, heads and image tokens divisible; FSDP2), --attention_backend (a diffusers
     backend name) and --peak_tflops, from the configs alone; the world size is checked at launch."""
-    from fastvideo import flux, parallel
+    from fastvideo import models, parallel
+    from fastvideo.models.attention import check_attention_backend
 
-    flux.check_attention_backend(args.attention_backend)
+    check_attention_backend(args.attention_backend)
     _need(args.peak_tflops >= 0, f"--peak_tflops must be >= 0 (0 = auto), got {args.peak_tflops}")
     _need(args.dist_timeout_minutes > 0, f"--dist_timeout_minutes must be > 0, got {args.dist_timeout_minutes}")
     _need(args.sp_size >= 1, f"--sp_size must be >= 1 (1 = no sequence parallelism), got {args.sp_size}")
@@ -691,8 +696,9 @@ def check_parallel_inputs(args: argparse.Namespace) -> None:
     _need(args.fsdp_version == 2, f"--sp_size {args.sp_size} needs --fsdp_version 2 (FSDP2 shards over the dp x sp "
                                   "ranks under diffusers' context-parallel hooks)")
     model = Path(args.pretrained_model_name_or_path)
-    config = json.loads((flux.transformer_folder(model) / "config.json").read_text())
-    geometry = flux.latent_geometry(model, args.h, args.w)
+    family = models.family_for(args)
+    config = json.loads((family.transformer_folder(model) / "config.json").read_text())
+    geometry = family.latent_geometry(model, args.h, args.w)
     parallel.check_sequence_parallel(args.sp_size, config["num_attention_heads"], geometry.seq_len)
 
 
@@ -708,9 +714,9 @@ def check_model_inputs(args: argparse.Namespace) -> None:
         if (model / component).is_dir():
             weights.check_weight_files(model / component)
     if args.lora_rank > 0 and args.lora_target_modules and (model / "transformer" / "config.json").is_file():
-        from fastvideo import flux, lora
+        from fastvideo import lora, models
 
-        lora.check_target_modules(flux.build_transformer(model), args.lora_target_modules)
+        lora.check_target_modules(models.family_for(args).build_transformer(model), args.lora_target_modules)
 
 
 def validate_common(args: argparse.Namespace) -> None:
@@ -722,6 +728,9 @@ def validate_common(args: argparse.Namespace) -> None:
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at "
                                 "a local diffusers FLUX folder (e.g. a FLUX.1-dev snapshot)")
+    from fastvideo import models
+
+    models.family_for(args)  # --model_family: ValueError naming the choices, before anything else reads the folder
     dry_run = getattr(args, "dry_run", False)  # a plan needs no embeddings (512 text tokens are assumed)
     _need(args.data_json_path is not None or dry_run,
           "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
@@ -1013,7 +1022,7 @@ COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "h", "w", "shif
 def validate_sample(args: argparse.Namespace) -> dict | None:
     """sample.py's flags, paths and output folder, before anything loads (ValueError / FileNotFoundError naming the
     fix); returns the --compare folder (``evaluation.read_sample_dir``) or None."""
-    from fastvideo import flux, weights
+    from fastvideo import models, weights
     from fastvideo.evaluation import check_prompts_path, read_sample_dir
     from fastvideo.rewards import parse_reward_spec
 
@@ -1027,6 +1036,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     if not (model / "model_index.json").is_file():
         raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at a "
                                 "local diffusers FLUX folder")
+    family = models.family_for(args)
     _need(args.prompts is not None, "--prompts is required: a prompt file (one per line) or an embeddings manifest")
     check_prompts_path("--prompts", args.prompts)
     _need(args.lora_path is None or args.transformer_path is None,
@@ -1035,7 +1045,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     if args.lora_path is not None and not any(Path(args.lora_path).glob("*.safetensors")):
         raise FileNotFoundError(f"--lora_path {args.lora_path}: no .safetensors LoRA there; pass a trainer's "
                                 "OUTPUT_DIR/final written with --lora_rank > 0")
-    transformer = Path(args.transformer_path or flux.transformer_folder(model))
+    transformer = Path(args.transformer_path or family.transformer_folder(model))
     if not (transformer / "config.json").is_file():
         raise FileNotFoundError(f"--transformer_path {transformer}: no config.json there; pass a trainer's "
                                 "OUTPUT_DIR/final written by a full fine-tune (--lora_rank 0)")
@@ -1044,10 +1054,11 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     for flag in ("num_inference_steps", "num_images_per_prompt", "batch_size", "compare_max_prompts"):
         _need(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
     _need(args.max_prompts >= 0, f"--max_prompts must be >= 0 (0 = all), got {args.max_prompts}")
-    _need(1 <= args.max_sequence_length <= 512, f"--max_sequence_length must be in [1, 512], got "
-                                                f"{args.max_sequence_length}")
+    limit = family.max_sequence_length_limit()
+    _need(1 <= args.max_sequence_length <= limit, f"--max_sequence_length must be in [1, {limit}], got "
+                                                  f"{args.max_sequence_length}")
     _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
-    flux.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
+    family.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
     if args.reward:
         parse_reward_spec(args.reward)
     out = Path(args.output_dir)

@@ -13,7 +13,7 @@ Layout of an output directory::
 
 Shard ``k`` always holds the consecutive prompt ids ``[k*shard_size, (k+1)*shard_size)`` whatever the
 number of ranks, so one rank and many ranks write identical files. Text ids are never stored (they are
-zeros; see ``fastvideo.flux.text_ids``).
+zeros; see ``fastvideo.models.flux.text_ids``).
 
 Manifest (``format_version`` 1)::
 
@@ -157,6 +157,7 @@ class EmbeddingWriter:
     prompts: list[str]
     spec: StoreSpec
     prompt_file: str = ""
+    family: Any = None  # the model family's adapter that encodes (None: from the model folder, --model_family auto)
     shards: list[ShardSpec] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -298,20 +299,23 @@ class EmbeddingWriter:
 
 def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathLike, output_dir: str | os.PathLike,
                       *, max_sequence_length: int = 512, dtype: str = "fp32",
-                      shard_size: int = DEFAULT_SHARD_SIZE) -> EmbeddingWriter:
+                      shard_size: int = DEFAULT_SHARD_SIZE, model_family: str = "auto") -> EmbeddingWriter:
     """The writer of ``prompt_file``'s embeddings under ``output_dir``, checked before any encoder loads: the prompt
-    file reads, the model folder has text encoders with complete weight files, and an existing store there was made
-    the same way (its finished shards are kept)."""
-    from fastvideo.flux import TEXT_COMPONENTS, check_model_folder, encoders_fingerprint
+    file reads, the model folder has the family's text encoders (``--model_family``) with complete weight files, and
+    an existing store there was made the same way (its finished shards are kept)."""
+    from fastvideo import models
     from fastvideo.weights import check_weight_files
 
     prompts = read_prompt_file(prompt_file)
-    model_path = check_model_folder(model_path, TEXT_COMPONENTS).resolve()
-    for component in ("text_encoder", "text_encoder_2"):  # headers only: a corrupt file fails here, not mid-load
-        check_weight_files(model_path / component)
-    spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=encoders_fingerprint(model_path),
+    family = models.resolve(model_family, model_path)
+    model_path = family.check_folder(model_path, family.text_components).resolve()
+    for component in family.text_components:  # headers only: a corrupt file fails here, not mid-load
+        if component.startswith("text_encoder"):
+            check_weight_files(model_path / component)
+    spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=family.encoders_fingerprint(model_path),
                      max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size)
-    writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()))
+    writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()),
+                             family=family)
     writer.check_existing()
     return writer
 
@@ -320,23 +324,23 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
     """Encode this rank's unfinished shards (only the text encoders are loaded, and freed after), then rank 0 checks
     every shard and writes the manifest. A collective (every rank calls it, in a process group or alone); returns
     ``{"encoded": shards, "kept": shards, "manifest": dict (rank 0) or None}``."""
-    from fastvideo import devices, distributed
-    from fastvideo.flux import encode_prompts, load_text_encoders
+    from fastvideo import devices, distributed, models
 
+    family = writer.family or models.resolve("auto", writer.spec.model_path)
     rank, world_size = distributed.get_rank(), distributed.get_world_size()
     mine = writer.shards_for_rank(rank, world_size)
     todo = [s for s in mine if not writer.is_complete(s)]
     if todo:
-        encoders = load_text_encoders(writer.spec.model_path, dtype=DTYPES[writer.spec.dtype], device=device)
+        encoders = family.load_text_encoders(writer.spec.model_path, dtype=DTYPES[writer.spec.dtype], device=device)
         for shard in todo:
             texts = writer.prompts_of(shard)
             embeds, pooled, truncated = [], [], []
             for i in range(0, len(texts), batch_size):
                 with torch.no_grad():
-                    e, p, t = encode_prompts(encoders, texts[i:i + batch_size],
-                                             max_sequence_length=writer.spec.max_sequence_length)
-                embeds.append(e.cpu())  # (b, T, D)
-                pooled.append(p.cpu())  # (b, Dp)
+                    cond, t = family.encode_prompts(encoders, texts[i:i + batch_size],
+                                                    max_sequence_length=writer.spec.max_sequence_length)
+                embeds.append(cond["prompt_embeds"].cpu())  # (b, T, D)
+                pooled.append(cond["pooled_prompt_embeds"].cpu())  # (b, Dp)
                 truncated.extend(bool(x) for x in t)
             writer.write_shard(shard, torch.cat(embeds), torch.cat(pooled), truncated)
         del encoders  # T5-XXL is 4.7B parameters: give its memory back before the caller loads the transformer
@@ -497,12 +501,12 @@ class EmbeddingDataset:
                 "prompt_embeds": torch.cat([cache[i][0] for i in ids]),  # (B, T, D)
                 "pooled_prompt_embeds": torch.cat([cache[i][1] for i in ids])}  # (B, Dp)
 
-    def check_encoders(self, model_path: str | os.PathLike) -> None:
+    def check_encoders(self, model_path: str | os.PathLike, model_family: str = "auto") -> None:
         """Raise ValueError if these embeddings were made with other text encoders than ``model_path``'s."""
-        from fastvideo.flux import encoders_fingerprint
+        from fastvideo import models
 
         theirs = self.manifest.get("encoders_fingerprint")
-        if encoders_fingerprint(model_path) != theirs:
+        if models.resolve(model_family, model_path).encoders_fingerprint(model_path) != theirs:
             raise ValueError(f"embeddings in {self.root} were made with other text encoders "
                              f"({self.manifest.get('model_path')}) than {model_path}; re-run "
                              "preprocess_embeddings.py with this --model_path")

@@ -39,7 +39,7 @@ def check_prompts_path(flag: str, path: str | os.PathLike | None) -> None:
 
 
 def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, work_dir: str | os.PathLike, *,
-                    max_sequence_length: int, dtype: str, device: torch.device) -> Path:
+                    max_sequence_length: int, dtype: str, device: torch.device, model_family: str = "auto") -> Path:
     """``prompts`` as an embedding manifest: a manifest (or its folder) is used as it is; a prompt file is encoded
     into ``work_dir`` with ``model_path``'s text encoders (loaded, then freed, before any other model; a restart keeps
     the finished shards). A collective: every rank calls it."""
@@ -47,7 +47,8 @@ def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, w
 
     if is_manifest(prompts):
         return Path(prompts)
-    writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype)
+    writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype,
+                               model_family=model_family)
     write_prompt_store(writer, device=device)
     return Path(work_dir) / MANIFEST_NAME
 

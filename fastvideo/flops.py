@@ -141,7 +141,7 @@ class FlopMeter:
 
     def attach(self, model: Any) -> None:
         """Count ``model``'s forwards (a FluxTransformer2DModel, bare or wrapped: hooked on the inner module)."""
-        from fastvideo.flux import model_config, unwrap_model
+        from fastvideo.models.base import model_config, unwrap_model
 
         config = dict(model_config(model))
         key = json.dumps({k: config.get(k) for k in ("num_attention_heads", "attention_head_dim", "num_layers",

@@ -1,4 +1,4 @@
-"""LoRA adapters on the FLUX transformer (peft, as diffusers does), the reference policy, and standard exports.
+"""LoRA adapters on a model family's transformer (peft, as diffusers does), the reference policy, and standard exports.
 
 Typical use (the adapter is added before ``shard_model``; every rank adds it with the same ``init_seed``):
 
@@ -25,28 +25,26 @@ from torch import nn
 from fastvideo import distributed
 from fastvideo.parallel import cast_floating_, full_state_dict, named_trainable_parameters, unwrap_model
 
-# The diffusers FLUX DreamBooth-LoRA default: every attention projection of the double-stream blocks (image
-# stream to_q/to_k/to_v/to_out.0, text stream add_q/k/v_proj/to_add_out), the single-stream blocks' attention
-# to_q/to_k/to_v (peft matches name suffixes, so "attn.to_q" covers both block kinds), and both feed-forward
-# networks of the double-stream blocks. Single blocks' proj_mlp/proj_out are left out (as in diffusers).
-DEFAULT_LORA_TARGET_MODULES: list[str] = [
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-]
+
+def default_target_modules(model: nn.Module) -> list[str]:
+    """The model family's default ``--lora_target_modules`` (``ModelFamily.lora_target_modules``; FLUX.1: the diffusers
+    DreamBooth-LoRA set)."""
+    from fastvideo import models
+
+    return list(models.family_of(model).lora_target_modules)
 
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def export_dtype(choice: str, model_path: str | Path) -> torch.dtype:
+def export_dtype(choice: str, model_path: str | Path, model_family: str = "auto") -> torch.dtype:
     """``--export_dtype``: bf16 | fp16 | fp32, or auto = the dtype the base model's transformer safetensors store
     (bf16 for FLUX.1-dev: a 24 GB export instead of 48 GB in the fp32 master weights' dtype)."""
     if choice == "auto":
-        from fastvideo.flux import transformer_folder
+        from fastvideo import models
         from fastvideo.weights import stored_dtype
 
-        return stored_dtype(transformer_folder(model_path))
+        return stored_dtype(models.resolve(model_family, model_path).transformer_folder(model_path))
     if choice not in EXPORT_DTYPES:
         raise ValueError(f"--export_dtype {choice!r} is not one of auto, {', '.join(EXPORT_DTYPES)}")
     return EXPORT_DTYPES[choice]
@@ -70,7 +68,7 @@ def check_target_modules(model: nn.Module, target_modules: list[str]) -> None:
     raise ValueError(f"--lora_target_modules {' '.join(unmatched)} match{'es' * (len(unmatched) == 1)} no linear "
                      f"layer of {type(model).__name__}; pass names of layers that exist, e.g. "
                      f"{' '.join(suffixes[:12])}{' ...' * (len(suffixes) > 12)} (or drop the flag for the default "
-                     f"{' '.join(DEFAULT_LORA_TARGET_MODULES[:4])} ...)")
+                     f"{' '.join(default_target_modules(model)[:4])} ...)")
 
 
 def add_lora(
@@ -89,7 +87,7 @@ def add_lora(
     adapters already there keep their ``requires_grad`` and the active adapter stays the one active before (peft
     would make the new one active and trainable).
 
-    ``target_modules`` defaults to ``DEFAULT_LORA_TARGET_MODULES``. With ``init_seed`` the adapter starts from
+    ``target_modules`` defaults to the model family's (``default_target_modules``). With ``init_seed`` the adapter starts from
     ``initial_adapter_weights(model, init_seed)`` (peft's init, each lora_A from a generator keyed by its name); without
     it from peft's own init on the global RNG (then all ranks must share its state). lora_B is zero, so the adapted
     model starts equal to the base. Adapter weights are float32. On a meta-device model the values are left to
@@ -105,7 +103,7 @@ def add_lora(
     if not hasattr(transformer, "add_adapter"):
         raise ValueError(f"{type(transformer).__name__} has no add_adapter(); add_lora expects an unwrapped diffusers "
                          "model (call it before shard_model)")
-    targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
+    targets = list(target_modules or default_target_modules(transformer))
     check_target_modules(transformer, targets)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True)
     trainable_before = {n for n, p in transformer.named_parameters() if p.requires_grad}
@@ -263,18 +261,22 @@ def save_lora_for_diffusers(
     config: Any = None,
     adapter_name: str = "default",
     dtype: torch.dtype | None = None,
+    family: Any = None,
 ) -> Path:
-    """Write a LoRA folder that stock ``FluxPipeline.load_lora_weights(out_dir)`` loads (via ``save_lora_weights``).
+    """Write a LoRA folder that the family's stock pipeline loads with ``load_lora_weights(out_dir)`` (FLUX.1:
+    ``FluxPipeline``), through that pipeline class's ``save_lora_weights``. ``family``: the ``ModelFamily`` (default:
+    the model's, ``models.family_of``; FLUX.1 for a state dict).
 
     Pass the (possibly sharded) model, on every rank, or a ``lora_state_dict`` result plus its ``config``
     (``LoraConfig`` or its dict; stored as adapter metadata so diffusers restores ``lora_alpha``; without it
     diffusers assumes alpha == rank). ``dtype`` casts the weights on export (``export_dtype``; default: as trained,
     fp32). Rank 0 writes ``pytorch_lora_weights.safetensors``; returns ``out_dir``.
     """
-    from diffusers import FluxPipeline
+    from fastvideo import models
 
     out_dir = Path(out_dir)
     if isinstance(state_dict_or_model, nn.Module):
+        family = family or models.family_of(state_dict_or_model)
         config = lora_config(state_dict_or_model, adapter_name) if config is None else config
         state_dict = lora_state_dict(state_dict_or_model, adapter_name)
     else:
@@ -296,25 +298,27 @@ def save_lora_for_diffusers(
         metadata = dict(config.to_dict() if hasattr(config, "to_dict") else config)
         metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
     cast_floating_(state_dict, dtype)
-    FluxPipeline.save_lora_weights(out_dir, transformer_lora_layers={k: v.contiguous() for k, v in state_dict.items()},
-                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    pipeline = (family or models.resolve("auto")).pipeline_class()
+    pipeline.save_lora_weights(out_dir, transformer_lora_layers={k: v.contiguous() for k, v in state_dict.items()},
+                               transformer_lora_adapter_metadata=metadata, safe_serialization=True)
     return out_dir
 
 
 def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_name: str = "default") -> nn.Module:
-    """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any ``FluxPipeline.load_lora_weights``
-    folder) to a FluxTransformer2DModel the way ``FluxPipeline.load_lora_weights`` does (alpha from its metadata);
-    ValueError for LoRA weights of other components (prompts are encoded without them)."""
-    from diffusers import FluxPipeline
+    """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any folder the family's pipeline
+    ``load_lora_weights`` takes) to the transformer the way that pipeline's ``load_lora_weights`` does (alpha from its
+    metadata); ValueError for LoRA weights of other components (prompts are encoded without them)."""
+    from fastvideo import models
 
-    state_dict, alphas, metadata = FluxPipeline.lora_state_dict(str(lora_dir), return_alphas=True,
-                                                                return_lora_metadata=True)
+    pipeline = models.family_of(model).pipeline_class()
+    state_dict, alphas, metadata = pipeline.lora_state_dict(str(lora_dir), return_alphas=True,
+                                                            return_lora_metadata=True)
     others = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
     if others:
         raise ValueError(f"{lora_dir} also holds LoRA weights for {', '.join(others)}; sample.py applies only a "
                          "transformer LoRA (the trainers' export)")
-    FluxPipeline.load_lora_into_transformer(state_dict, network_alphas=alphas, transformer=model,
-                                            adapter_name=adapter_name, metadata=metadata)
+    pipeline.load_lora_into_transformer(state_dict, network_alphas=alphas, transformer=model,
+                                        adapter_name=adapter_name, metadata=metadata)
     return model
 
 
@@ -324,18 +328,21 @@ def save_transformer_for_diffusers(
     out_dir: str | Path,
     *,
     dtype: torch.dtype | None = None,
+    family: Any = None,
 ) -> Path:
-    """Write a full transformer folder loadable by ``FluxTransformer2DModel.from_pretrained(out_dir)``.
+    """Write a full transformer folder loadable by the family's transformer class's ``from_pretrained(out_dir)``
+    (FLUX.1: ``FluxTransformer2DModel``; ``family`` as for ``save_lora_for_diffusers``).
 
     Pass the (possibly sharded) model on every rank (``config=None`` reads its config), or a full state dict (the
     rank-0 result of ``full_state_dict``) with the model's ``config``. ``dtype`` casts floating weights on export
     (e.g. ``torch.bfloat16`` halves the size; ``export_dtype``), one tensor at a time on rank 0, so its host memory
     peaks at the gathered model plus one tensor. Rank 0 writes config.json + safetensors; returns ``out_dir``.
     """
-    from diffusers import FluxTransformer2DModel
+    from fastvideo import models
 
     out_dir = Path(out_dir)
     if isinstance(state_dict_or_model, nn.Module):
+        family = family or models.family_of(state_dict_or_model)
         config = unwrap_model(state_dict_or_model).config if config is None else config
         state_dict = full_state_dict(state_dict_or_model, dtype=dtype)
     else:
@@ -351,7 +358,7 @@ def save_transformer_for_diffusers(
     cast_floating_(state_dict, dtype)
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
+        model = (family or models.resolve("auto")).transformer_class().from_config(config)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

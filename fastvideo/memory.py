@@ -255,11 +255,12 @@ def _param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def _vae_config(model_path: str | os.PathLike) -> dict:
-    """The VAE's config.json of a FLUX folder (no weights read)."""
-    from fastvideo import flux
+def _vae_config(model_path: str | os.PathLike, model_family: str = "auto") -> dict:
+    """The VAE's config.json of a model folder (no weights read)."""
+    from fastvideo import models
 
-    return json.loads((flux.check_model_folder(model_path, ("vae",)) / "vae" / "config.json").read_text())
+    folder = models.resolve(model_family, model_path).check_folder(model_path, ("vae",))
+    return json.loads((folder / "vae" / "config.json").read_text())
 
 
 # ------------------------------------------------------------------------------------ defaults that fit
@@ -282,14 +283,14 @@ def resolve_gradient_checkpointing(requested: bool | None, lora_rank: int, devic
 
 
 def auto_decode_batch_size(model_path: str | os.PathLike, height: int, width: int, dtype: torch.dtype,
-                           max_batch: int, budget: int = DECODE_BUDGET_BYTES) -> int:
+                           max_batch: int, budget: int = DECODE_BUDGET_BYTES, model_family: str = "auto") -> int:
     """The largest number of latents (1 to ``max_batch``) one VAE decode call of ``height`` x ``width`` images in
     ``dtype`` takes with its planned peak (``vae_decode_bytes``) within ``budget``; at least 1 even when a single
     image exceeds it. The peak is linear in the batch: one trace at batch 1 gives the candidate, one more checks it."""
-    from fastvideo import flux
+    from fastvideo import models
 
-    config = _vae_config(model_path)
-    geometry = flux.latent_geometry(model_path, height, width)
+    config = _vae_config(model_path, model_family)
+    geometry = models.resolve(model_family, model_path).latent_geometry(model_path, height, width)
 
     def peak(batch: int) -> int:
         return vae_decode_bytes(config, batch, geometry.latent_h, geometry.latent_w, dtype)
@@ -306,10 +307,12 @@ def resolve_decode_batch_size(args: argparse.Namespace, device_type: str) -> int
     0 (a whole rollout micro-batch per call). Idempotent: a resolved value resolves to itself."""
     if args.decode_batch_size or not _is_accelerator(device_type):
         return args.decode_batch_size
+    from fastvideo import models
     from fastvideo.training import compute_dtype
 
     dtype = compute_dtype(args.mixed_precision, torch.device(device_type)) or torch.float32
-    return auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w, dtype, args.rollout_batch_size)
+    return auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w, dtype, args.rollout_batch_size,
+                                  model_family=models.spec_of(args))
 
 
 def check_plan_fits(plan: MemoryPlan, device_type: str, device_memory_bytes: int | None, *,
@@ -403,14 +406,15 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     rank, scored by --reward if ``scored``. --gradient_checkpointing and --decode_batch_size are planned as the run
     resolves them on ``device_type``; ``compare_checkpointing`` also traces the training activations with the other
     checkpointing choice (a "not used" line; the start-up gate skips it, a second each at FLUX.1-dev's widths)."""
-    from fastvideo import flux, lora
+    from fastvideo import lora, models
     from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
     from fastvideo.training import compute_dtype
 
     amp = compute_dtype(args.mixed_precision, torch.device(device_type))
     cdt = amp or torch.float32
     c = torch.empty((), dtype=cdt).element_size()  # bytes per element in compute
-    model = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+    family = models.family_for(args)
+    model = family.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
     is_lora = args.lora_rank > 0
     if is_lora:
         lora.add_lora(model, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,
@@ -427,7 +431,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     sharded = world > 1
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(getattr(args, "gradient_sync", "auto"), is_lora)
-    geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+    geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
     L, T, B, C = geometry.seq_len, _text_tokens(args), samples, geometry.packed_channels
     S = args.sampling_steps
     joint = model.config.joint_attention_dim
@@ -517,7 +521,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
     items.append(PlanItem("text embeddings of this rank's samples (fp32)", 4 * B * (T * joint + 768), 0.0,
                           "persistent"))
-    vae_config = _vae_config(args.pretrained_model_name_or_path)
+    vae_config = _vae_config(args.pretrained_model_name_or_path, models.spec_of(args))
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):

@@ -66,8 +66,8 @@ import torch
 from torch import nn
 
 from fastvideo import devices, distributed
-from fastvideo.flux import model_config as unwrap_config  # noqa: F401  (re-exported: config through wrappers)
-from fastvideo.flux import unwrap_model
+from fastvideo.models.base import model_config as unwrap_config  # noqa: F401  (re-exported: config through wrappers)
+from fastvideo.models.base import unwrap_model
 
 FSDP_VERSIONS = (1, 2)
 GRADIENT_SYNC_MODES = ("backward", "step")
@@ -232,7 +232,7 @@ def enable_sequence_parallel(model: nn.Module, sp_size: int) -> None:
     group on the way in, all-to-alls q/k/v so each rank attends over the whole sequence with heads / sp_size heads,
     and gathers the output (its backward keeps each rank's own tokens' share: the SP ranks' parameter gradients are
     partial and sum to the whole). Text embeddings must come padded to a multiple of ``sp_size``
-    (``flux.predict_velocity`` does it)."""
+    (the FLUX adapter's ``predict_velocity`` does it)."""
     from contextlib import contextmanager
 
     from diffusers import ContextParallelConfig

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fastvideo import distributed, flux
+from fastvideo import distributed, models
 from fastvideo.data import atomic_write_text, publish_file
 
 FORMAT_VERSION = 1
@@ -209,11 +209,11 @@ class LatentCache:
     pair list or changed images makes rank 0 delete the stale chunks (the cache is derived data). Under
     torchrun the trainer runs exactly::
 
-        cache = LatentCache(cache_dir, pairs, vae_fingerprint=flux.vae_fingerprint(model), height=h, width=w)
+        cache = LatentCache(cache_dir, pairs, vae_fingerprint=family.vae_fingerprint(model), height=h, width=w)
         if rank == 0:
             cache.prepare()          # only rank 0 writes cache.json and deletes stale chunks
         barrier()
-        cache.build(vae, geometry, device=device, rank=rank, world_size=world_size)
+        cache.build(vae, geometry, device=device, rank=rank, world_size=world_size, family=family)
         barrier()
         chosen, rejected = cache.load(pair_indices)
 
@@ -307,12 +307,14 @@ class LatentCache:
         publish_file(tmp, path)
         self._handles.pop(chunk, None)
 
-    def build(self, vae: Any, geometry: flux.LatentGeometry, *, device: str | torch.device, rank: int = 0,
-              world_size: int = 1, batch_size: int = 8) -> int:
+    def build(self, vae: Any, geometry: Any, *, device: str | torch.device, rank: int = 0,
+              world_size: int = 1, batch_size: int = 8, family: models.ModelFamily | None = None) -> int:
         """Encode this rank's share of the missing chunks (chunk i -> rank i % world_size); returns chunks written.
 
-        ``batch_size`` images go through the VAE at once. The caller barriers afterwards (see the class docstring).
+        ``batch_size`` images go through the VAE at once (``family.encode``; default: FLUX.1, the folder-less
+        ``--model_family auto``). The caller barriers afterwards (see the class docstring).
         """
+        family = family or models.resolve("auto")
         if (geometry.height, geometry.width) != (self.height, self.width):
             raise ValueError(f"geometry is {geometry.height}x{geometry.width} but the cache is for "
                              f"{self.height}x{self.width}; build both from the same --h/--w")
@@ -334,7 +336,7 @@ class LatentCache:
             latents = []
             for start in range(0, len(paths), batch_size):
                 images = load_images(paths[start:start + batch_size], self.height, self.width).to(device)
-                latents.append(flux.encode(vae, images, geometry).cpu())
+                latents.append(family.encode(vae, images, geometry).cpu())
             both = torch.cat(latents)  # (2n, L, C): chosen rows, then rejected rows
             self._write_chunk(chunk, both[:len(pairs)], both[len(pairs):])
             written += 1
@@ -381,7 +383,7 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
 def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.PathLike, output_dir: str | os.PathLike,
                     *, num_pairs: int, num_generations: int = 4, height: int = 64, width: int = 64,
                     sampling_steps: int = 8, reward: str = "jpeg_compressibility:1.0", seed: int = 0,
-                    device: str | torch.device = "cpu") -> Path:
+                    device: str | torch.device = "cpu", model_family: str = "auto") -> Path:
     """Sample ``num_generations`` ODE images for each of the manifest's first ``num_pairs`` prompts, keep the best
     and worst by ``reward`` as chosen/rejected PNGs, and write ``output_dir/pairs.jsonl``; returns its path.
 
@@ -398,12 +400,13 @@ def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.Path
                          f"{dataset.manifest_path}); lower it or preprocess more prompts")
     if num_generations < 2:
         raise ValueError(f"--num_generations must be >= 2 to pick a best and a worst image, got {num_generations}")
-    dataset.check_encoders(model_path)
+    family = models.resolve(model_family, model_path)
+    dataset.check_encoders(model_path, model_family)
     cfg = RolloutConfig(height=height, width=width, sampling_steps=sampling_steps, eta=0.0, batch_size=32)
     reward_fn = build_reward(reward, device)  # fails on a bad spec before the models load
-    transformer = flux.load_transformer(model_path, device=device).eval().requires_grad_(False)
-    vae = flux.load_vae(model_path, device=device)
-    geometry = flux.latent_geometry(vae, height, width)
+    transformer = family.load_transformer(model_path, device=device).eval().requires_grad_(False)
+    vae = family.load_vae(model_path, device=device)
+    geometry = family.latent_geometry(vae, height, width)
 
     G = num_generations
     prompt_ids = [p for p in range(num_pairs) for _ in range(G)]  # [p0 g0..gG-1, p1 ...]
@@ -438,6 +441,8 @@ def main(argv: list[str] | None = None) -> Path:
         prog="python -m fastvideo.preference",
         description="Write a demo Diffusion-DPO pair file: best vs worst of N ODE samples per prompt by a reward.")
     parser.add_argument("--model_path", required=True, help="diffusers FLUX folder (or a fastvideo.tiny one)")
+    parser.add_argument("--model_family", default="auto",
+                        help="model family adapter: auto (from model_index.json) | flux1 | package.module:Class")
     parser.add_argument("--data_json_path", required=True,
                         help="embedding manifest.json (or its folder) written by preprocess_embeddings.py")
     parser.add_argument("--output_dir", required=True, help="folder for pairs.jsonl and images/")
@@ -455,7 +460,8 @@ def main(argv: list[str] | None = None) -> Path:
     device = args.device or distributed.pick_device_type()
     return make_demo_pairs(args.model_path, args.data_json_path, args.output_dir, num_pairs=args.num_pairs,
                            num_generations=args.num_generations, height=args.h, width=args.w,
-                           sampling_steps=args.sampling_steps, reward=args.reward, seed=args.seed, device=device)
+                           sampling_steps=args.sampling_steps, reward=args.reward, seed=args.seed, device=device,
+                           model_family=args.model_family)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from fastvideo import devices, flops, flux
+from fastvideo import devices, flops, models
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
@@ -152,15 +153,6 @@ def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tens
     return int(j) if not torch.is_tensor(j) else devices.to_device(j.to(torch.long), device)
 
 
-def _conditioning(geometry: flux.LatentGeometry, embeds: torch.Tensor, guidance: float | None, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(image ids (L, 3), text ids (T, 3), guidance 0-d float32 or None)`` on ``device``, made without a blocking
-    copy (pinned, non-blocking), for ``flux.predict_velocity``."""
-    img_ids = devices.to_device(flux.image_ids(geometry, dtype=embeds.dtype), device)
-    txt_ids = flux.text_ids(embeds.shape[1], device, embeds.dtype)
-    return img_ids, txt_ids, None if guidance is None else devices.to_device(torch.tensor(float(guidance)), device)
-
-
 def window_starts(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> list[int]:
     """SDE window start per sample, drawn once per prompt group (sample_index 0, purpose "window")."""
     lo, hi = cfg.sde_window_range
@@ -186,12 +178,14 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
 @torch.no_grad()
 @flops.phase("rollout")  # its transformer forwards count as the step's rollout FLOPs
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
-            cfg: RolloutConfig, noise: NoiseSource, geometry: flux.LatentGeometry, *,
+            cfg: RolloutConfig, noise: NoiseSource, geometry: Any, *,
             device: torch.device | str, autocast_dtype: torch.dtype | None = None,
             keep_latents: bool = True) -> Trajectory:
     """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then
-    decode. ``keep_latents=False`` records only the clean latents (no (B, S+1, L, C) trajectory buffer)."""
+    decode. ``geometry``: the model family's latent geometry. ``keep_latents=False`` records only the clean latents
+    (no (B, S+1, L, C) trajectory buffer)."""
     device = torch.device(device)
+    family = models.family_of(transformer)
     ids = batch["prompt_ids"]
     prompt_ids = [int(p) for p in (ids.tolist() if torch.is_tensor(ids) else ids)]
     sample_indices = [int(s) for s in sample_indices]
@@ -217,8 +211,8 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
     # Everything the step loop reads is on the device before it starts (pinned, non-blocking copies): the loop
     # launches kernels only, with no host sync and no blocking copy (DESIGN principle 9).
     sigmas_dev = devices.to_device(sigmas, device)  # (S+1,): sigma and sigma' of step i are sigmas_dev[i], [i+1]
-    embeds_all, pooled_all = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    img_ids, txt_ids, guidance = _conditioning(geometry, embeds_all, cfg.guidance, device)
+    cond_all = {k: batch[k] for k in family.embedding_keys}  # (B, ...) each, where the batch lives
+    shared = family.conditioning(geometry, cond_all, cfg.guidance, device)  # position ids, guidance: on the device
     latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device) if keep_latents else None
     log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
     clean = torch.empty(B, L, C, dtype=torch.float32, device=device)
@@ -232,13 +226,12 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         noise_mb = None if sde_noise is None else devices.to_device(sde_noise[mb], device)  # (b, S, L, C)
         if latents is not None:
             latents[mb, 0] = x
-        embeds = devices.to_device(embeds_all[mb], device)
-        pooled = devices.to_device(pooled_all[mb], device)
+        cond = {k: devices.to_device(v[mb], device) for k, v in cond_all.items()}
         prev_x0 = prev_sigma = None  # dpm2: the previous step's x0_hat and sigma (first step first order)
         for i in range(S):
             sigma, sigma_next = sigmas_dev[i], sigmas_dev[i + 1]  # 0-d device tensors
             with devices.autocast(device, autocast_dtype):
-                v = flux.predict_velocity(transformer, x, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance)
+                v = family.predict_velocity(transformer, x, sigma, cond, shared)
             v = v.float()
             if cfg.solver == "dpm2":
                 x_next, prev_x0 = dpm2_step(v, x, sigma, sigma_next, prev_x0=prev_x0, sigma_prev=prev_sigma)
@@ -258,7 +251,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
             x = x_next
         devices.synchronize(device)  # for the phase timings: once per micro-batch, after its sampling loop
         t1 = time.perf_counter()
-        images.append(flux.decode(vae, clean[mb], geometry, micro_batch=cfg.decode_batch_size or None).float())
+        images.append(family.decode(vae, clean[mb], geometry, micro_batch=cfg.decode_batch_size or None).float())
         devices.synchronize(device)
         t_sample += t1 - t0
         t_decode += time.perf_counter() - t1
@@ -304,7 +297,7 @@ def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_ind
 
 
 def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.Tensor, j: int | torch.Tensor,
-                    batch: dict, cfg: RolloutConfig, geometry: flux.LatentGeometry, *,
+                    batch: dict, cfg: RolloutConfig, geometry: Any, *,
                     autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute step ``j`` (int, or (b,) per sample) for samples ``idx`` with the current policy, with grad.
 
@@ -327,23 +320,23 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
     x = traj.latents[idx, jj]  # (b, L, C)
     x_next = traj.latents[idx, jj + 1]
     sigma, sigma_next = traj.sigmas[jj], traj.sigmas[jj + 1]  # 0-d or (b,), on the device
-    idx_b = devices.to_device(idx, batch["prompt_embeds"].device)
-    embeds = devices.to_device(batch["prompt_embeds"][idx_b], dev)
-    pooled = devices.to_device(batch["pooled_prompt_embeds"][idx_b], dev)
-    img_ids, txt_ids, guidance = _conditioning(geometry, embeds, cfg.guidance, dev)
+    family = models.family_of(transformer)
+    idx_b = devices.to_device(idx, batch[family.embedding_keys[0]].device)
+    cond = {k: devices.to_device(batch[k][idx_b], dev) for k in family.embedding_keys}
+    shared = family.conditioning(geometry, cond, cfg.guidance, dev)
     with devices.autocast(dev, autocast_dtype):
-        v = flux.predict_velocity(transformer, x, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance)
+        v = family.predict_velocity(transformer, x, sigma, cond, shared)
     _, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=traj.sde_type, eta=traj.eta,
                                                    prev_sample=x_next, sigma_max=traj.sigma_max)
     return log_prob, mean, std
 
 
 def noised_velocity(transformer: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
-                    batch: dict, geometry: flux.LatentGeometry, *, guidance: float | None,
+                    batch: dict, geometry: Any, *, guidance: float | None,
                     autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward process and the model on it: ``x_σ = (1-σ)·x0 + σ·ε`` for packed clean latents ``x0`` (b, L, C),
     noise ``ε`` (b, L, C) and ``sigma`` (b,); returns ``(v_hat, v* = ε - x0)``, both (b, L, C) float32.
-    ``batch`` holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
+    ``batch`` holds the b rows' embeddings (the family's ``embedding_keys``) on the model's device."""
     noise = devices.to_device(noise, x0.device)  # one non-blocking copy of CPU-drawn noise
     x_t = forward_noise(x0, noise, sigma)
     v = model_velocity(transformer, x_t, sigma, batch, geometry, guidance=guidance, autocast_dtype=autocast_dtype)
@@ -362,7 +355,7 @@ def pair_noise(noise: NoiseSource, shape: tuple[int, ...], step: int, pair_keys:
 
 
 def pair_errors(transformer: torch.nn.Module, x0_w: torch.Tensor, x0_l: torch.Tensor, eps: torch.Tensor,
-                sigma: torch.Tensor, batch: dict, geometry: flux.LatentGeometry, *, guidance: float | None,
+                sigma: torch.Tensor, batch: dict, geometry: Any, *, guidance: float | None,
                 autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flow-matching errors ``mean((v_hat - (ε - x0))²)`` (b,) of the winners ``x0_w`` and losers ``x0_l`` (b, L, C),
     both noised with the pair's own ``eps`` (b, L, C) and ``sigma`` (b,), in one model call of 2b rows. ``batch``:
@@ -371,7 +364,7 @@ def pair_errors(transformer: torch.nn.Module, x0_w: torch.Tensor, x0_l: torch.Te
 
     b = x0_w.shape[0]
     twice = lambda t: torch.cat([t, t])  # noqa: E731  (winners, then losers: the same draws)
-    cond = {k: twice(v) for k, v in batch.items() if k in ("prompt_embeds", "pooled_prompt_embeds")}
+    cond = {k: twice(batch[k]) for k in models.family_of(transformer).embedding_keys}
     err = flow_matching_error(*noised_velocity(transformer, torch.cat([x0_w, x0_l]), twice(eps), twice(sigma), cond,
                                                geometry, guidance=guidance, autocast_dtype=autocast_dtype))
     return err[:b], err[b:]
@@ -385,16 +378,17 @@ def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) ->
 
 
 def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, batch: dict,
-                   geometry: flux.LatentGeometry, *, guidance: float | None,
+                   geometry: Any, *, guidance: float | None,
                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The model's velocity (b, L, C) float32 at latents ``x_t`` (b, L, C) and per-sample ``sigma`` (b,); ``batch``
-    holds the b rows' ``prompt_embeds`` / ``pooled_prompt_embeds`` on the model's device."""
+    holds the b rows' embeddings (the family's ``embedding_keys``) on the model's device."""
     dev = x_t.device
-    embeds, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    img_ids, txt_ids, guidance_t = _conditioning(geometry, embeds, guidance, dev)
+    family = models.family_of(transformer)
+    cond = {k: batch[k] for k in family.embedding_keys}
+    shared = family.conditioning(geometry, cond, guidance, dev)
     sigma = devices.to_device(sigma, dev).to(torch.float32).view(-1)
     with devices.autocast(dev, autocast_dtype):
-        v = flux.predict_velocity(transformer, x_t, sigma, embeds, pooled, img_ids, txt_ids, guidance=guidance_t)
+        v = family.predict_velocity(transformer, x_t, sigma, cond, shared)
     return v.float()
 
 

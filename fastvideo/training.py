@@ -18,7 +18,7 @@ import torch
 
 from fastvideo import checkpoint as ckpt
 from fastvideo import distributed as D
-from fastvideo import devices, errors, flops, flux, lora, parallel, preemption, weights
+from fastvideo import devices, errors, flops, lora, models, parallel, preemption, weights
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
@@ -129,9 +129,10 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     No rank ever holds the whole model (DESIGN principle 8): host RAM per node is ~1x the fp32 model. The reference
     of a full fine-tune is loaded the same way, in the compute dtype (bf16 on accelerators), never copied from the
     trained weights. Build the optimizer right after this (FSDP2 swaps parameters for DTensors here). On an Ascend NPU
-    every transformer gets float32 rotary embeddings and the fused attention (``flux.prepare_for_device``).
+    every transformer gets float32 rotary embeddings and the fused attention (the family's ``prepare_for_device``).
     """
-    transformer = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+    family = models.family_for(args)
+    transformer = family.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
     config = dict(transformer.config)
     is_lora = args.lora_rank > 0
     adapter_init = {}
@@ -151,14 +152,14 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
                         cpu_offload=args.use_cpu_offload, compile=args.compile, sp_size=args.sp_size)
     transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
                                        **shard_kwargs)
-    folder = flux.transformer_folder(args.pretrained_model_name_or_path)
+    folder = family.transformer_folder(args.pretrained_model_name_or_path)
     weights.load_safetensors_into(transformer, folder, skip=adapter_init.__contains__)
     if adapter_init:
         weights.fill_local_shards(transformer, adapter_init)
     frozen_ref = None
     if need_reference and not is_lora and not ref_snapshot:
         ref_dtype = compute_dtype(args.mixed_precision, device) or torch.float32
-        frozen_ref = flux.build_transformer(args.pretrained_model_name_or_path, dtype=ref_dtype)
+        frozen_ref = family.build_transformer(args.pretrained_model_name_or_path, dtype=ref_dtype)
         frozen_ref = parallel.shard_model(frozen_ref.requires_grad_(False).eval(), gradient_checkpointing=False,
                                           **shard_kwargs)
         weights.load_safetensors_into(frozen_ref, folder)
@@ -166,15 +167,15 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     if old_policy:
         old_model = None
         if not is_lora:  # fp32 master weights like the trained copy, so both shard alike (see OldPolicy)
-            old_model = flux.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+            old_model = family.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
             old_model = parallel.shard_model(old_model.requires_grad_(False).eval(), gradient_checkpointing=False,
                                              **shard_kwargs)
             weights.load_safetensors_into(old_model, folder)
         old = OldPolicy(transformer, old_model)
     param_dtype = compute_dtype(args.mixed_precision, device) or torch.float32  # FSDP's param_dtype in the forward
     for model in (transformer, frozen_ref, old.old_model if old is not None else None):
-        done = flux.prepare_for_device(model, device, param_dtype=param_dtype,
-                                       attention_backend=args.attention_backend) if model is not None else []
+        done = family.prepare_for_device(model, device, param_dtype=param_dtype,
+                                         attention_backend=args.attention_backend) if model is not None else []
         if done and D.is_main_process() and model is transformer:
             print("device adaptations: " + "; ".join(done), flush=True)
     ema = ckpt.EMA(transformer, decay=args.ema_decay, warmup=args.ema_warmup) if args.use_ema else None
@@ -475,7 +476,7 @@ def export_final(args: argparse.Namespace, policy: Policy) -> Path:
     for it in ``distributed.store_barrier``, which no collective timeout cuts short; an error on rank 0 still ends
     every rank (``distributed.fail_fast``)."""
     out = Path(args.output_dir) / "final"
-    dtype = lora.export_dtype(args.export_dtype, args.pretrained_model_name_or_path)
+    dtype = lora.export_dtype(args.export_dtype, args.pretrained_model_name_or_path, models.spec_of(args))
     swap = policy.ema.swap_into(policy.model) if policy.ema is not None else contextlib.nullcontext()
     with swap:
         if policy.is_lora:  # collective: every rank gathers, rank 0 writes (with lora_alpha as metadata)
@@ -565,9 +566,9 @@ class Run:
         from fastvideo.rewards import check_reward_prompts
 
         args = self.args
-        geometry = flux.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+        geometry = models.family_for(args).latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
         dataset = EmbeddingDataset(args.data_json_path)
-        dataset.check_encoders(args.pretrained_model_name_or_path)
+        dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
         if args.eval_prompts is not None:
             from fastvideo.evaluation import prompt_manifest
@@ -575,9 +576,10 @@ class Run:
             # a prompt file is encoded once, with the training data's length and dtype; a manifest is used as it is
             manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
                                        self.out / "eval_embeddings", max_sequence_length=dataset.max_sequence_length,
-                                       dtype=dataset.manifest["dtype"], device=self.device)
+                                       dtype=dataset.manifest["dtype"], device=self.device,
+                                       model_family=models.spec_of(args))
             self.eval_dataset = EmbeddingDataset(manifest)
-            self.eval_dataset.check_encoders(args.pretrained_model_name_or_path)
+            self.eval_dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
             check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
                 raise ValueError(f"--eval_prompts has {self.eval_dataset.max_sequence_length} text tokens but "
@@ -623,8 +625,9 @@ class Run:
         self.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, self.policy.is_lora) == "backward"
         self.optimizer = build_optimizer(self.policy, args)  # right after sharding (FSDP2 swaps in DTensors)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, optimizer_steps)
-        self.vae = flux.load_vae(args.pretrained_model_name_or_path, dtype=self.amp_dtype or torch.float32,
-                                 device=self.device)  # decodes in the compute dtype, as FluxPipeline
+        self.vae = models.family_for(args).load_vae(args.pretrained_model_name_or_path,
+                                                    dtype=self.amp_dtype or torch.float32,
+                                                    device=self.device)  # decodes in the compute dtype, as FluxPipeline
         self.flop_meter = flops.FlopMeter(self.dist.sp_size)  # model FLOPs per phase, for tflops_* and mfu
         old = self.policy.old.old_model if self.policy.old is not None else None
         for model in (self.policy.model, self.policy.frozen_ref, old):

@@ -785,7 +785,8 @@ class Shared:
 
 def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, size: int) -> Shared:
     """Load the VAE (bf16, on the device, as ``Run.load_models`` does) and build the reward, on pretend CUDA."""
-    from fastvideo import distributed, flux
+    from fastvideo import distributed
+    from fastvideo.models import flux
     from fastvideo.rewards import build_reward
     from fastvideo.toyworld.scenes import all_prompts
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import REPO, validate_flags
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.data import EmbeddingDataset, EmbeddingWriter, StoreSpec, read_prompt_file
 from fastvideo.rewards import build_reward

@@ -19,7 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fastvideo import devices, distributed, flux, logging, seeding
+from fastvideo import devices, distributed, logging, seeding
+from fastvideo.models import flux
 
 FLUX_DEV_AXES = (16, 56, 56)  # FLUX.1-dev's axes_dims_rope
 TINY_AXES = [(4, 6, 6), (8, 28, 28)]  # fastvideo.tiny presets "tiny" and "bench"

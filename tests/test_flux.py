@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from fastvideo import flux
+from fastvideo.models import flux
 from helpers import REPO
 
 PROMPTS = ["a photo of a cat", "An astronaut riding a horse on Mars, 4k, highly-detailed!!", "a red cube " * 40]

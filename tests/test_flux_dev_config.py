@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvideo import flux, tiny
+from fastvideo import tiny
+from fastvideo.models import flux
 from fastvideo.tiny import FLUX_DEV_CONFIG_PRESET, INFO_FILE, build_tiny_flux, main, write_flux_dev_config
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dist_scripts.sharding_common import randomize_lora_b
-from fastvideo.lora import (DEFAULT_LORA_TARGET_MODULES, add_lora, disable_adapters, lora_config, lora_state_dict,
-                            save_lora_for_diffusers, save_transformer_for_diffusers)
+from fastvideo.lora import (add_lora, disable_adapters, lora_config, lora_state_dict, save_lora_for_diffusers,
+                            save_transformer_for_diffusers)
+from fastvideo.models.flux import LORA_TARGET_MODULES
 
 LORA_RANK, LORA_ALPHA = 4, 8  # alpha != rank: the export must carry alpha for diffusers to scale correctly
 
@@ -43,7 +44,7 @@ def test_add_lora_freezes_base_and_starts_at_base(tiny_flux_dir):
     wrapped = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
     # 1 double block: 12 targets; each single block: attn.to_q/k/v
     assert len(wrapped) == 12 * base.config.num_layers + 3 * base.config.num_single_layers
-    assert set(DEFAULT_LORA_TARGET_MODULES) == {n.split(".", 2)[2] for n in wrapped if n.startswith("transformer_")}
+    assert set(LORA_TARGET_MODULES) == {n.split(".", 2)[2] for n in wrapped if n.startswith("transformer_")}
     x = inputs(base.config)
     assert torch.equal(run(model, x), run(base, x))  # lora_B starts at zero
     again = add_lora(load_transformer(tiny_flux_dir), rank=LORA_RANK, alpha=LORA_ALPHA, init_seed=0)

@@ -24,7 +24,8 @@ import torch
 from fake_cuda import trainer
 from helpers import build_run
 
-from fastvideo import config, flux, rollout, training
+from fastvideo import config, rollout, training
+from fastvideo.models import flux
 from fastvideo.data import GroupSampler
 from fastvideo.losses import dpo_loss, flow_matching_error, grpo_loss, kl_loss, nft_advantages, nft_loss
 from fastvideo.rollout import forward_noise, model_velocity, pair_noise, replay_log_prob

@@ -137,7 +137,8 @@ def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
 
 
 def test_safetensors_reader_matches_from_pretrained(bench_dir):
-    from fastvideo import flux, parallel, weights
+    from fastvideo import parallel, weights
+    from fastvideo.models import flux
 
     expected = flux.load_transformer(bench_dir).state_dict()
     model = parallel.shard_model(flux.build_transformer(bench_dir))  # world size 1: materialised, uninitialised
@@ -152,7 +153,8 @@ def test_safetensors_reader_matches_from_pretrained(bench_dir):
 
 
 def test_loader_errors_name_the_fix(bench_dir, tmp_path):
-    from fastvideo import flux, weights
+    from fastvideo import weights
+    from fastvideo.models import flux
 
     with pytest.raises(FileNotFoundError, match="safetensors"):
         weights.safetensors_index(tmp_path)
@@ -163,7 +165,8 @@ def test_loader_errors_name_the_fix(bench_dir, tmp_path):
 
 
 def test_lora_init_is_the_same_on_meta_and_on_a_real_model(bench_dir):
-    from fastvideo import flux, lora, parallel, weights
+    from fastvideo import lora, parallel, weights
+    from fastvideo.models import flux
 
     real = lora.add_lora(flux.load_transformer(bench_dir), rank=4, alpha=4, init_seed=7)
     meta = lora.add_lora(flux.build_transformer(bench_dir), rank=4, alpha=4, init_seed=7)
@@ -324,7 +327,7 @@ def test_nft_plan_holds_the_old_policy_and_its_buffers(tiny_flux_dir):
     through each trained forward. The same flags' GRPO plan (no old policy, the whole trajectory) is the control.
     (The tiny preset keeps this in the default suite; FLUX.1-dev's planning is the same code, checked for GRPO in
     test_plan_arithmetic_for_flux_dev and against a measured NFT run in the slow nft-full case above.)"""
-    from fastvideo import flux
+    from fastvideo.models import flux
     from fastvideo.config import parse_grpo_args, parse_nft_args, validate_grpo, validate_nft
     from fastvideo.memory import plan_grpo, plan_nft
 

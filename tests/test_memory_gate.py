@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from fastvideo import devices, flux, memory, training
+from fastvideo import devices, memory, training
+from fastvideo.models import flux
 from fastvideo import distributed as D
 from fastvideo.config import parse_grpo_args, validate_grpo
 from fastvideo.memory import GiB, MemoryPlan, PlanItem

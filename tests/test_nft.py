@@ -68,7 +68,7 @@ def _policy(tiny_flux_dir: Path, *flags: str):
 
 def _velocity(model, geometry) -> torch.Tensor:
     """The model's velocity on fixed random inputs (two samples at different sigmas)."""
-    from fastvideo import flux
+    from fastvideo.models import flux
 
     config = flux.model_config(model)
     g = torch.Generator().manual_seed(0)
@@ -85,7 +85,7 @@ def _adapter(model, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("schedule", ["copy", "linear", "delayed"])
 def test_old_adapter_is_frozen_distinct_and_follows_the_schedule(tiny_flux_dir, schedule):
-    from fastvideo import flux
+    from fastvideo.models import flux
 
     policy, optimizer = _policy(tiny_flux_dir, "--old_decay_schedule", schedule)
     model, old = policy.model, policy.old

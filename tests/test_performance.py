@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvideo import devices, flops, flux, parallel
+from fastvideo import devices, flops, parallel
+from fastvideo.models import flux
 from fastvideo.rewards import build_reward
 
 ROOT = Path(__file__).resolve().parents[1]

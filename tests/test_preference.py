@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_embeddings
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.preference import LatentCache, PreferencePair, load_images, main, read_preference_file
 
 H = W = 64  # tiny preset's default size

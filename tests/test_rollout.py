@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout, select_trained_timesteps, stochastic_mask
 from fastvideo.seeding import NoiseSource
 

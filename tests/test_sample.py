@@ -45,7 +45,7 @@ def _pipeline_pngs(model: Path, out: Path, rows: list[dict], transformer=None, l
     noise), as the 8-bit values a PNG holds."""
     from diffusers import FluxPipeline
 
-    from fastvideo.flux import latent_geometry
+    from fastvideo.models.flux import latent_geometry
 
     pipe = FluxPipeline.from_pretrained(model, local_files_only=True,
                                         **({"transformer": transformer} if transformer is not None else {}))
@@ -119,7 +119,7 @@ def test_lora_and_full_finetune_equal_flux_pipeline_and_compare_grid(tiny_flux_d
     from dist_scripts.sharding_common import randomize_lora_b
     from PIL import Image
 
-    from fastvideo.flux import load_transformer
+    from fastvideo.models.flux import load_transformer
     from fastvideo.lora import add_lora, save_lora_for_diffusers, save_transformer_for_diffusers
 
     model = add_lora(load_transformer(tiny_flux_dir), rank=4, alpha=8, init_seed=0)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastvideo import flops, flux, parallel
+from fastvideo import flops, parallel
+from fastvideo.models import flux
 from fastvideo.logging import read_metrics
 from helpers import REPO, run_torchrun
 from test_train_grpo import common_args

@@ -12,7 +12,7 @@ import torch
 from helpers import REPO
 from safetensors.torch import load_file
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.toyworld import scenes
 from fastvideo.toyworld.scenes import write_prompt_files
 from fastvideo.toyworld.pretrain import (EVAL_FILE, INFO_FILE, SHIPPED, PretrainConfig, build_from_shipped,

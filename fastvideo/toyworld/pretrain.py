@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastvideo import flux
+from fastvideo.models import flux
 from fastvideo.seeding import derive_seed
 from fastvideo.toyworld import scenes, verify
 

@@ -81,7 +81,7 @@ def _fsdp_grad_bytes(model) -> tuple[int, int]:
 
 
 def grad_accum(model_dir: str, micro_batches: int = 4) -> None:
-    from fastvideo.flux import load_transformer
+    from fastvideo.models.flux import load_transformer
     from fastvideo.parallel import set_gradient_sync, shard_model, transformer_blocks
 
     info = distributed.init_distributed("cpu")
@@ -182,7 +182,7 @@ def load(model_dir: str, how: str, kl: bool, fsdp_version: int, strategy: str, l
     else:  # what build_policy did before: every rank loads the whole fp32 model, then shards it
         import copy
 
-        from fastvideo.flux import load_transformer
+        from fastvideo.models.flux import load_transformer
         from fastvideo.parallel import shard_model
 
         model = load_transformer(model_dir, dtype=torch.float32, device="cpu").train()

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastvideo import distributed as D  # noqa: E402
-from fastvideo import flux, parallel, training, weights  # noqa: E402
+from fastvideo import parallel, training, weights  # noqa: E402
+from fastvideo.models import flux  # noqa: E402
 from fastvideo.data import EmbeddingDataset  # noqa: E402
 from fastvideo.losses import grpo_loss  # noqa: E402
 from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout  # noqa: E402

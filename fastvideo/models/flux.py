@@ -1,16 +1,14 @@
-"""Everything FLUX-specific: load parts of a diffusers FLUX folder, encode prompts, pack/unpack latents,
-position ids, one transformer velocity call, and VAE decoding.
+"""The FLUX.1 family (dev, schnell, and the tiny folders of ``fastvideo.tiny``): load parts of a diffusers FLUX
+folder, encode prompts, pack/unpack latents, position ids, one transformer velocity call, VAE decoding, and
+``Flux1``, the ``ModelFamily`` adapter that the trainers reach through ``fastvideo.models``.
 
-The same code serves FLUX.1-dev and the tiny folders of ``fastvideo.tiny``. Shapes: latents are packed
-2x2 into tokens ``(B, L, C)`` with ``L = (H / 2f) * (W / 2f)`` and ``C = 4 * latent_channels`` where ``f``
-is the VAE scale factor (8 for FLUX).
+Shapes: latents are packed 2x2 into tokens ``(B, L, C)`` with ``L = (H / 2f) * (W / 2f)`` and
+``C = 4 * latent_channels`` where ``f`` is the VAE scale factor (8 for FLUX).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,6 +16,11 @@ from typing import Any, Mapping
 import torch
 
 from fastvideo import devices
+from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTION_BACKEND,  # noqa: F401
+                                         attention_backend_names, attention_backend_of, check_attention_backend,
+                                         set_attention_backend, set_npu_attention)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, config_get, model_config,  # noqa: F401
+                                    model_dtype, tag, unwrap_model)
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -51,47 +54,6 @@ def check_model_folder(path: str | os.PathLike, components: tuple[str, ...] | li
     if missing:
         raise FileNotFoundError(f"FLUX model folder {str(folder)!r} is missing {', '.join(missing)}: {_BUILD_HINT}")
     return folder
-
-
-def unwrap_model(model: Any) -> Any:
-    """The innermost model under DDP/FSDP1 (``.module``), torch.compile (``._orig_mod``) or peft wrappers.
-
-    FSDP2's ``fully_shard`` and diffusers' ``add_adapter`` keep the module class, so those need no unwrapping.
-    """
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif type(model).__name__.startswith("Peft") and hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, FSDP1
-            model = model.module
-        else:
-            break
-    return model
-
-
-def model_config(model: Any) -> Any:
-    """A model's diffusers/transformers config, read through wrappers (FSDP1/DDP, torch.compile, peft)."""
-    config = getattr(unwrap_model(model), "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no .config: pass a diffusers/transformers model")
-    return config
-
-
-def _config_get(config: Any, key: str, default: Any = None) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
-def _model_dtype(model: Any) -> torch.dtype:
-    """The dtype of the model's first floating-point parameter (float32 if it has none)."""
-    for p in unwrap_model(model).parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 def _subfolder(path: str | os.PathLike, name: str) -> Path:
@@ -203,41 +165,12 @@ def load_text_encoders(path: str | os.PathLike, dtype: torch.dtype = torch.float
     )
 
 
-def _weight_digest(file: Path) -> bytes:
-    """A cheap digest of a (possibly multi-GB) weight file: name, size, safetensors header, first and last MiB."""
-    h = hashlib.sha256()
-    size = file.stat().st_size
-    h.update(f"{file.name}:{size}".encode())
-    chunk = 1 << 20
-    with open(file, "rb") as f:
-        h.update(f.read(chunk))
-        if size > chunk:
-            f.seek(max(chunk, size - chunk))
-            h.update(f.read(chunk))
-    return h.digest()
-
-
 def encoders_fingerprint(path: str | os.PathLike) -> str:
     """sha256 over the text encoders' and tokenizers' files: configs and tokenizer files in full, weights sampled.
 
     Used to tell whether stored prompt embeddings were made by the same text encoders.
     """
-    return _folder_digest(check_model_folder(path, TEXT_COMPONENTS), TEXT_COMPONENTS)
-
-
-def _folder_digest(folder: Path, names: tuple[str, ...]) -> str:
-    """sha256 over the files of ``folder/name`` for each name: relative paths, other files in full, weights sampled."""
-    h = hashlib.sha256()
-    for name in names:
-        for file in sorted((folder / name).rglob("*")):
-            if not file.is_file() or file.name.startswith("."):
-                continue
-            h.update(str(file.relative_to(folder)).encode() + b"\0")
-            if file.suffix in (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"):
-                h.update(_weight_digest(file))
-            else:
-                h.update(file.read_bytes())
-    return h.hexdigest()
+    return Flux1().encoders_fingerprint(path)
 
 
 @torch.no_grad()
@@ -273,7 +206,7 @@ def encode_prompts(encoders: TextEncoders, prompts: list[str], max_sequence_leng
 def vae_scale_factor(vae_or_config: Any) -> int:
     """Pixels per latent pixel: 2 ** (number of VAE blocks - 1) (8 for FLUX), as FluxPipeline computes it."""
     config = _vae_config(vae_or_config)
-    return 2 ** (len(_config_get(config, "block_out_channels")) - 1)
+    return 2 ** (len(config_get(config, "block_out_channels")) - 1)
 
 
 def _vae_config(vae_or_config: Any) -> Any:
@@ -337,7 +270,7 @@ def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeomet
             lower = max(multiple, int(value) // multiple * multiple)
             raise ValueError(f"image {name} {value} ({flag}) must be a positive multiple of {multiple} (VAE scale "
                              f"factor {factor} x 2x2 packing): pass e.g. {flag} {lower} or {lower + multiple}")
-    return LatentGeometry(int(height), int(width), factor, int(_config_get(config, "latent_channels")))
+    return LatentGeometry(int(height), int(width), factor, int(config_get(config, "latent_channels")))
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -395,7 +328,7 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
     timestep = timestep.expand(batch) if timestep.ndim == 0 else timestep.reshape(batch)
 
     guidance_vec = None
-    if _config_get(model_config(transformer), "guidance_embeds", False):
+    if config_get(model_config(transformer), "guidance_embeds", False):
         if guidance is None:
             raise ValueError("this transformer has a guidance embedding (FLUX.1-dev style): pass guidance "
                              "(3.5 is FLUX.1-dev's default)")
@@ -403,7 +336,7 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
         guidance_vec = guidance_vec.expand(batch) if guidance_vec.ndim == 0 else guidance_vec.reshape(batch)
 
     if not torch.is_autocast_enabled(device.type):
-        dtype = _model_dtype(transformer)
+        dtype = model_dtype(transformer)
         latents, prompt_embeds, pooled = latents.to(dtype), prompt_embeds.to(dtype), pooled.to(dtype)
     sp = sequence_parallel_size(transformer)
     if prompt_embeds.shape[1] % sp:  # Ulysses splits the text sequence evenly: zero embeddings (ids 0) appended
@@ -435,10 +368,10 @@ def decode(vae: Any, latents: torch.Tensor, geometry: LatentGeometry, micro_batc
     Decodes the whole batch in one VAE call, or in chunks of ``micro_batch`` samples to bound memory.
     """
     config = model_config(vae)
-    scaling = _config_get(config, "scaling_factor", 1.0)
-    shift = _config_get(config, "shift_factor", None) or 0.0
+    scaling = config_get(config, "scaling_factor", 1.0)
+    shift = config_get(config, "shift_factor", None) or 0.0
     z = unpack_latents(latents, geometry) / scaling + shift
-    z = z.to(_model_dtype(vae))
+    z = z.to(model_dtype(vae))
     step = micro_batch or z.shape[0]
     images = [vae.decode(chunk, return_dict=False)[0] for chunk in z.split(step)]
     return (torch.cat(images) / 2 + 0.5).clamp(0, 1).float()
@@ -457,9 +390,9 @@ def encode(vae: Any, images: torch.Tensor, geometry: LatentGeometry, micro_batch
                          f"geometry {geometry.height}x{geometry.width}, got {tuple(images.shape)}; resize the images "
                          "or build the geometry from their --h/--w")
     config = model_config(vae)
-    scaling = _config_get(config, "scaling_factor", 1.0)
-    shift = _config_get(config, "shift_factor", None) or 0.0
-    x = (images * 2 - 1).to(_model_dtype(vae))
+    scaling = config_get(config, "scaling_factor", 1.0)
+    shift = config_get(config, "shift_factor", None) or 0.0
+    x = (images * 2 - 1).to(model_dtype(vae))
     step = micro_batch or x.shape[0]
     z = torch.cat([vae.encode(chunk).latent_dist.mode() for chunk in x.split(step)]).float()
     if tuple(z.shape[1:]) != geometry.latent_shape:
@@ -471,7 +404,7 @@ def encode(vae: Any, images: torch.Tensor, geometry: LatentGeometry, micro_batch
 def vae_fingerprint(path: str | os.PathLike) -> str:
     """sha256 over a FLUX folder's ``vae/`` files (configs in full, weights sampled): tells whether cached
     latents were made by the same VAE."""
-    return _folder_digest(check_model_folder(path, ("vae",)), ("vae",))
+    return Flux1().vae_fingerprint(path)
 
 
 # --------------------------------------------------------------------------------------- device adaptations
@@ -602,109 +535,6 @@ def use_float32_rope(transformer: Any) -> bool:
     return True
 
 
-NPU_ATTENTION_BACKEND = "_native_npu"  # diffusers' AttentionBackendName._NATIVE_NPU: torch_npu.npu_fusion_attention
-
-
-def _set_npu_attention(model: Any) -> str:
-    """Switch the model's attention to diffusers' NPU fused-attention backend; describe what happened."""
-    setter = getattr(model, "set_attention_backend", None)
-    try:
-        from diffusers.models.attention_dispatch import AttentionBackendName
-
-        offered = NPU_ATTENTION_BACKEND in {b.value for b in AttentionBackendName}
-    except ImportError:
-        offered = False
-    if setter is None or not offered:
-        reason = "this diffusers has no attention backends; upgrade diffusers (>= 0.35) for NPU fused attention"
-    else:
-        try:
-            setter(NPU_ATTENTION_BACKEND)  # raises RuntimeError when diffusers finds no torch_npu
-            return f"attention backend: {NPU_ATTENTION_BACKEND} (torch_npu.npu_fusion_attention)"
-        except (RuntimeError, ValueError, ImportError) as err:
-            reason = str(err)
-    warnings.warn(f"NPU fused attention unavailable, keeping torch SDPA: {reason}", stacklevel=3)
-    return f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} unavailable: {reason})"
-
-
-FALLBACK_ATTENTION_BACKEND = "native"  # torch SDPA: runs everywhere, supports Ulysses context parallelism
-_warned_backends: set[str] = set()
-
-
-def attention_backend_names() -> list[str]:
-    """diffusers' attention backend names (``AttentionBackendName``), e.g. native, flash, _native_flash, sage."""
-    try:
-        from diffusers.models.attention_dispatch import AttentionBackendName
-    except ImportError:
-        return []
-    return [b.value for b in AttentionBackendName]
-
-
-def check_attention_backend(name: str) -> None:
-    """ValueError naming the choices when ``--attention_backend`` is not ``auto`` or a diffusers backend name (a
-    typo is an error; an unavailable kernel is a fallback, at load time)."""
-    if name == "auto":
-        return
-    names = attention_backend_names()
-    if not names:
-        raise ValueError(f"--attention_backend {name!r} needs diffusers' attention dispatcher (diffusers >= 0.35); "
-                         "upgrade diffusers or use --attention_backend auto")
-    if name not in names:
-        raise ValueError(f"--attention_backend {name!r} is not a diffusers attention backend; use auto or one of "
-                         f"{', '.join(names)}")
-
-
-def _probe_attention(name: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> None:
-    """Run the backend once on a tiny (1, 8, 2, head_dim) q/k/v, all three in ``dtype``: what the model passes
-    (``ComputeDtypeRMSNorm`` keeps q/k in v's dtype, the compute dtype), so kernels that load but cannot run these
-    inputs here raise now."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-    q, k, v = (torch.randn(1, 8, 2, head_dim, device=device, dtype=dtype) for _ in range(3))
-    dispatch_attention_fn(q, k, v, backend=name)
-
-
-def set_attention_backend(transformer: Any, name: str, device: torch.device | str,
-                          dtype: torch.dtype = torch.bfloat16) -> str:
-    """Use attention backend ``name`` in every attention layer of the transformer (all its forwards: rollout and
-    replay alike); returns the backend in use. When the kernel or the hardware is unavailable (its package missing,
-    not this device, not context-parallel capable under --sp_size, or a trial call fails), it falls back to
-    ``native`` (torch SDPA) with one warning per process (rank 0 prints it). A CPU job always uses ``native``."""
-    from fastvideo import distributed
-
-    model = unwrap_model(transformer)
-    device = torch.device(device)
-    reason = None
-    if name != FALLBACK_ATTENTION_BACKEND and device.type == "cpu":
-        reason = "this is a CPU job, where only torch's native SDPA is used"
-    elif name != FALLBACK_ATTENTION_BACKEND:
-        try:
-            model.set_attention_backend(name)
-            _probe_attention(name, device, dtype, int(_config_get(model_config(model), "attention_head_dim", 64)))
-        except (RuntimeError, ValueError, ImportError, NotImplementedError, TypeError, AssertionError) as err:
-            reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    if reason is None and name != FALLBACK_ATTENTION_BACKEND:
-        return name
-    model.set_attention_backend(FALLBACK_ATTENTION_BACKEND)  # also diffusers' process-wide default
-    if reason is not None and name not in _warned_backends:
-        _warned_backends.add(name)
-        if distributed.is_main_process():
-            warnings.warn(f"--attention_backend {name} is unavailable ({reason}); using "
-                          f"{FALLBACK_ATTENTION_BACKEND} (torch SDPA) for every forward instead", stacklevel=2)
-    return FALLBACK_ATTENTION_BACKEND
-
-
-def attention_backend_of(transformer: Any) -> set[str]:
-    """The backends the transformer's attention processors use (diffusers' ``_attention_backend``; None = default)."""
-    model = unwrap_model(transformer)
-    found = set()
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        if processor is not None and hasattr(processor, "_attention_backend"):
-            backend = processor._attention_backend
-            found.add(getattr(backend, "value", backend))
-    return found
-
-
 def prepare_for_device(transformer: Any, device: torch.device | str, *,
                        param_dtype: torch.dtype | None = None, attention_backend: str = "auto") -> list[str]:
     """Adapt a FLUX transformer to ``device``'s type; returns what it changed (print it). On "npu": float32
@@ -718,7 +548,7 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *,
     """
     model = unwrap_model(transformer)
     if attention_backend != "auto":
-        used = set_attention_backend(model, attention_backend, device, param_dtype or _model_dtype(model))
+        used = set_attention_backend(model, attention_backend, device, param_dtype or model_dtype(model))
         done = [f"attention backend: {used}" + ("" if used == attention_backend else
                                                   f" (--attention_backend {attention_backend} unavailable)")]
         if devices.device_type(device) == "npu" and use_float32_rope(model):
@@ -729,10 +559,94 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *,
     done = []
     if use_float32_rope(model):
         done.append("pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")
-    dtype = param_dtype or _model_dtype(model)
+    dtype = param_dtype or model_dtype(model)
     if dtype in (torch.bfloat16, torch.float16):
-        done.append(_set_npu_attention(model))
+        done.append(set_npu_attention(model))
     else:
         done.append(f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} needs bf16/fp16 q, k, v; the weights "
                     f"are {str(dtype).replace('torch.', '')} in the forward)")
     return done
+
+
+# ------------------------------------------------------------------------------------------------ the adapter
+# The diffusers FLUX DreamBooth-LoRA default: every attention projection of the double-stream blocks (image
+# stream to_q/to_k/to_v/to_out.0, text stream add_q/k/v_proj/to_add_out), the single-stream blocks' attention
+# to_q/to_k/to_v (peft matches name suffixes, so "attn.to_q" covers both block kinds), and both feed-forward
+# networks of the double-stream blocks. Single blocks' proj_mlp/proj_out are left out (as in diffusers).
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+)
+MAX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length limit
+
+
+class Flux1(ModelFamily):
+    """FLUX.1: T5 sequence + CLIP pooled prompt embeddings, 2x2-packed latents with rotary position ids (text ids
+    zero), the distilled guidance embedding where the transformer has one (dev; schnell has none), and
+    FluxPipeline's resolution-dependent dynamic shift. Every method is the module function of the same name."""
+
+    name = "flux1"
+    pipeline_classes = ("FluxPipeline",)
+    transformer_classes = ("FluxTransformer2DModel",)
+    text_components = TEXT_COMPONENTS
+    embedding_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    defaults = SamplerDefaults(steps=28, guidance=3.5, height=1024, width=1024, max_sequence_length=MAX_T5_TOKENS)
+    lora_target_modules = LORA_TARGET_MODULES
+
+    def check_folder(self, path, components=None):
+        return check_model_folder(path, COMPONENTS if components is None else components)
+
+    def transformer_folder(self, path):
+        return transformer_folder(path)
+
+    def build_transformer(self, path, dtype=torch.float32):
+        return tag(build_transformer(path, dtype), self)
+
+    def load_transformer(self, path, dtype=torch.float32, device="cpu"):
+        return tag(load_transformer(path, dtype, device), self)
+
+    def load_vae(self, path, dtype=torch.float32, device="cpu"):
+        return load_vae(path, dtype, device)
+
+    def load_text_encoders(self, path, dtype=torch.float32, device="cpu"):
+        return load_text_encoders(path, dtype, device)
+
+    def encode_prompts(self, encoders, prompts, max_sequence_length):
+        prompt_embeds, pooled, truncated = encode_prompts(encoders, prompts, max_sequence_length)
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}, truncated
+
+    def max_sequence_length_limit(self) -> int:
+        return MAX_T5_TOKENS
+
+    def latent_geometry(self, vae_or_config, height, width):
+        return latent_geometry(vae_or_config, height, width)
+
+    def conditioning(self, geometry, cond, guidance, device):
+        embeds = cond["prompt_embeds"]
+        return {"img_ids": devices.to_device(image_ids(geometry, dtype=embeds.dtype), device),
+                "txt_ids": text_ids(embeds.shape[1], device, embeds.dtype),
+                "guidance": None if guidance is None else devices.to_device(torch.tensor(float(guidance)), device)}
+
+    def predict_velocity(self, transformer, latents, sigma, cond, shared):
+        return predict_velocity(transformer, latents, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"],
+                                shared["img_ids"], shared["txt_ids"], guidance=shared["guidance"])
+
+    def decode(self, vae, latents, geometry, micro_batch=None):
+        return decode(vae, latents, geometry, micro_batch)
+
+    def encode(self, vae, images, geometry, micro_batch=None):
+        return encode(vae, images, geometry, micro_batch)
+
+    def prepare_for_device(self, transformer, device, *, param_dtype=None, attention_backend="auto"):
+        return prepare_for_device(transformer, device, param_dtype=param_dtype, attention_backend=attention_backend)
+
+    def pipeline_class(self) -> type:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    def transformer_class(self) -> type:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel

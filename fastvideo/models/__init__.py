@@ -1,0 +1,117 @@
+"""Model families: one adapter per family behind ``ModelFamily`` (``base.py``), the only way the trainers, the
+rollout, evaluation, ``sample.py``, preprocessing and the planner touch a model.
+
+``--model_family`` picks the adapter:
+
+- ``auto`` (default): from the model folder's ``model_index.json`` ``_class_name`` (``FluxPipeline`` -> ``flux1``);
+- a registered name (``names()``);
+- ``package.module:Class``: a user's own ``ModelFamily`` subclass, imported from anywhere on ``sys.path`` (the
+  extension point: a new family is one adapter file, never a trainer copy; docs/model-families.md).
+
+A loaded transformer carries its adapter (``tag``), so code holding only the model finds it with ``family_of``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fastvideo.models.base import FAMILY_ATTRIBUTE, ModelFamily, SamplerDefaults, tag, unwrap_model
+
+__all__ = ["ModelFamily", "SamplerDefaults", "FAMILIES", "names", "resolve", "family_for", "family_of", "tag", "spec_of"]
+
+# name -> "module:Class" of the adapters this package ships (imported on first use)
+FAMILIES: dict[str, str] = {
+    "flux1": "fastvideo.models.flux:Flux1",
+}
+_HELP = "docs/model-families.md"
+_cache: dict[str, ModelFamily] = {}
+
+
+def names() -> list[str]:
+    """The registered family names, for ``--model_family`` (besides ``auto`` and ``package.module:Class``)."""
+    return list(FAMILIES)
+
+
+def _load(target: str, flag: str) -> ModelFamily:
+    """The ``ModelFamily`` instance of ``package.module:Class`` (one per target); ValueError naming what is wrong."""
+    if target in _cache:
+        return _cache[target]
+    module_name, _, class_name = target.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"{flag} {target!r} is neither 'auto', a family ({', '.join(names())}) nor "
+                         f"'package.module:Class'; see {_HELP}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{flag} {target!r}: cannot import {module_name!r} ({err}); put the adapter's package on "
+                         f"PYTHONPATH or install it (see {_HELP})") from err
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
+        raise ValueError(f"{flag} {target!r}: {module_name} has no ModelFamily subclass {class_name!r}; an adapter "
+                         f"subclasses fastvideo.models.ModelFamily (see {_HELP})")
+    _cache[target] = family = cls()
+    return family
+
+
+def pipeline_class_name(model_path: str | os.PathLike) -> str | None:
+    """``_class_name`` of the folder's ``model_index.json`` (None when the folder has none, e.g. a bare transformer
+    folder)."""
+    index = Path(model_path).expanduser() / "model_index.json"
+    if not index.is_file():
+        return None
+    try:
+        return json.loads(index.read_text()).get("_class_name")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a diffusers model_index.json ({err}); re-download the model folder") from err
+
+
+def resolve(spec: str = "auto", model_path: str | os.PathLike | None = None,
+            flag: str = "--model_family") -> ModelFamily:
+    """The adapter for ``spec`` (``auto``, a name, or ``package.module:Class``). ``auto`` reads ``model_path``'s
+    model_index.json; a folder without one is FLUX.1 (the only layout this project wrote before families existed)."""
+    if spec in FAMILIES:
+        return _load(FAMILIES[spec], flag)
+    if spec != "auto":
+        return _load(spec, flag)
+    pipeline = pipeline_class_name(model_path) if model_path is not None else None
+    if pipeline is None:
+        return _load(FAMILIES["flux1"], flag)
+    for name, target in FAMILIES.items():
+        family = _load(target, flag)
+        if pipeline in family.pipeline_classes:
+            return family
+    served = {n: list(_load(t, flag).pipeline_classes) for n, t in FAMILIES.items()}
+    raise ValueError(f"{model_path}: model_index.json names {pipeline!r}, which no model family serves "
+                     f"({served}); pass {flag} NAME to force one, or {flag} package.module:Class for your own "
+                     f"adapter ({_HELP})")
+
+
+def spec_of(args: Any) -> str:
+    """A parsed command line's ``--model_family`` (``auto`` where the namespace has none)."""
+    return getattr(args, "model_family", "auto")
+
+
+def family_for(args: Any) -> ModelFamily:
+    """The adapter of a parsed command line: ``--model_family`` (default auto) of
+    ``--pretrained_model_name_or_path``."""
+    return resolve(spec_of(args), args.pretrained_model_name_or_path)
+
+
+def family_of(transformer: Any) -> ModelFamily:
+    """The adapter a transformer was built or loaded with (``tag``), else the registered family whose
+    ``transformer_classes`` names its class (a model built directly with diffusers)."""
+    model = unwrap_model(transformer)
+    family = getattr(model, FAMILY_ATTRIBUTE, None)
+    if family is not None:
+        return family
+    classes = {c.__name__ for c in type(model).__mro__}
+    for target in FAMILIES.values():
+        family = _load(target, "--model_family")
+        if classes & set(family.transformer_classes):
+            return family
+    raise ValueError(f"{type(model).__name__} belongs to no registered model family: build it through a "
+                     f"ModelFamily adapter (fastvideo.models.resolve(...).build_transformer) or tag it with "
+                     f"fastvideo.models.tag(model, family) ({_HELP})")

@@ -1,0 +1,231 @@
+"""The interface every model family implements (``ModelFamily``), and the family-independent helpers its adapters
+share (model unwrapping, configs through wrappers, folder digests).
+
+A family adapter is what the trainers, the rollout, evaluation, ``sample.py``, preprocessing and the planner need
+from a model and nothing else: loading its components (meta build for sharded loading, or a plain load), encoding
+prompts into the embeddings stored on disk, the latent geometry and the position inputs, one velocity call, VAE
+decoding/encoding, the sampler defaults, the LoRA targets, the export classes and the device adaptations. The
+SDE/log-prob maths, the losses, sharding and checkpointing never see a family: they work on packed latents
+``(B, L, C)`` and on whatever ``predict_velocity`` returns.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplerDefaults:
+    """A family's stock sampling settings (its diffusers pipeline's defaults): steps, the distilled guidance value
+    fed to the model (None: the model takes none), the image size, the text length, and the static sigma shift
+    (None: the family's resolution-dependent dynamic shift)."""
+
+    steps: int
+    guidance: float | None
+    height: int
+    width: int
+    max_sequence_length: int
+    shift: float | None = None
+
+
+class ModelFamily:
+    """One model family's adapter (FLUX.1 is ``fastvideo.models.flux.Flux1``). Subclass it, set the class
+    attributes, implement every method that raises ``NotImplementedError`` here, and pass
+    ``--model_family package.module:Class`` (docs/model-families.md walks through one).
+
+    Shapes the rest of the code relies on: latents are packed tokens ``(B, L, C)`` with ``L, C =
+    latent_geometry(...).packed_shape``; the stored text embeddings are a dict of tensors named by
+    ``embedding_keys``, each ``(N, ...)`` per prompt; ``predict_velocity`` returns float32 ``(B, L, C)``.
+    """
+
+    name: ClassVar[str] = ""  # the --model_family name
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()  # model_index.json ``_class_name`` values this family serves
+    transformer_classes: ClassVar[tuple[str, ...]] = ()  # diffusers transformer class names (family_of fallback)
+    text_components: ClassVar[tuple[str, ...]] = ()  # the folders preprocessing loads (tokenizers, text encoders)
+    embedding_keys: ClassVar[tuple[str, ...]] = ()  # the per-prompt tensors preprocessing stores, in file order
+    defaults: ClassVar[SamplerDefaults]
+    lora_target_modules: ClassVar[tuple[str, ...]] = ()  # default --lora_target_modules
+
+    def __repr__(self) -> str:
+        return f"{type(self).__module__}:{type(self).__qualname__}"
+
+    def _missing(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"model family {self!r} does not implement {what}: add it to the adapter "
+                                   "(docs/model-families.md lists what each method must do)")
+
+    # -------------------------------------------------------------------------------------------- loading
+    def check_folder(self, path: str | os.PathLike, components: tuple[str, ...] | None = None) -> Path:
+        """``path`` as a Path if it holds ``components`` (default: all); else FileNotFoundError naming the fix."""
+        raise self._missing("check_folder")
+
+    def transformer_folder(self, path: str | os.PathLike) -> Path:
+        """The transformer component folder of a model folder (or ``path`` itself if it is one)."""
+        raise self._missing("transformer_folder")
+
+    def build_transformer(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The transformer from its config on the meta device (no weights read): the sharded-loading path."""
+        raise self._missing("build_transformer")
+
+    def load_transformer(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu") -> torch.nn.Module:
+        """The transformer with its weights, on ``device`` (sampling, small models)."""
+        raise self._missing("load_transformer")
+
+    def load_vae(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> torch.nn.Module:
+        """The frozen VAE (eval mode, no grad)."""
+        raise self._missing("load_vae")
+
+    def load_text_encoders(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                           device: str | torch.device = "cpu") -> Any:
+        """The frozen text encoders and tokenizers, in whatever object ``encode_prompts`` takes."""
+        raise self._missing("load_text_encoders")
+
+    def encode_prompts(self, encoders: Any, prompts: list[str], max_sequence_length: int
+                       ) -> tuple[dict[str, torch.Tensor], list[bool]]:
+        """The stock pipeline's ``encode_prompt``: ``({key: (N, ...) tensor for key in embedding_keys}, per prompt
+        whether a tokenizer cut it)``."""
+        raise self._missing("encode_prompts")
+
+    def max_sequence_length_limit(self) -> int:
+        """The longest text length the family's text encoder takes (--max_sequence_length's upper bound)."""
+        raise self._missing("max_sequence_length_limit")
+
+    def encoders_fingerprint(self, path: str | os.PathLike) -> str:
+        """A digest of the text encoders' files: stored embeddings are checked against it."""
+        return folder_digest(self.check_folder(path, self.text_components), self.text_components)
+
+    def vae_fingerprint(self, path: str | os.PathLike) -> str:
+        """A digest of the VAE's files: cached latents are checked against it."""
+        return folder_digest(self.check_folder(path, ("vae",)), ("vae",))
+
+    # ------------------------------------------------------------------------------------------- latents
+    def latent_geometry(self, vae_or_config: Any, height: int, width: int) -> Any:
+        """The latent layout for ``height`` x ``width`` images (``.height .width .seq_len .packed_channels
+        .packed_shape``); ValueError naming valid sizes."""
+        raise self._missing("latent_geometry")
+
+    def conditioning(self, geometry: Any, cond: Mapping[str, torch.Tensor], guidance: float | None,
+                     device: torch.device) -> dict[str, Any]:
+        """What every velocity call of a rollout shares (position ids, the guidance value), on ``device``, made once
+        without a blocking copy; ``cond`` holds the batch's embeddings (for their length and dtype)."""
+        raise self._missing("conditioning")
+
+    def predict_velocity(self, transformer: Any, latents: torch.Tensor, sigma: float | torch.Tensor,
+                         cond: Mapping[str, torch.Tensor], shared: Mapping[str, Any]) -> torch.Tensor:
+        """Velocity (B, L, C) float32 at noise level ``sigma`` (0-d or (B,)) for packed ``latents``; ``cond``: the
+        rows' embeddings (``embedding_keys``) on the model's device; ``shared``: ``conditioning``'s result."""
+        raise self._missing("predict_velocity")
+
+    def decode(self, vae: Any, latents: torch.Tensor, geometry: Any, micro_batch: int | None = None
+               ) -> torch.Tensor:
+        """Packed latents (B, L, C) -> images (B, 3, H, W) float32 in [0, 1], as the stock pipeline decodes."""
+        raise self._missing("decode")
+
+    def encode(self, vae: Any, images: torch.Tensor, geometry: Any, micro_batch: int | None = None
+               ) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> packed latents (B, L, C) float32 (posterior mode): ``decode``'s inverse."""
+        raise self._missing("encode")
+
+    # ------------------------------------------------------------------------------------- device, export
+    def prepare_for_device(self, transformer: Any, device: torch.device | str, *, param_dtype: torch.dtype | None
+                           = None, attention_backend: str = "auto") -> list[str]:
+        """Adapt a loaded or sharded transformer to ``device`` (e.g. float32 rotary angles on an NPU, the
+        --attention_backend); returns what changed, for the start-up log."""
+        raise self._missing("prepare_for_device")
+
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline class whose ``save_lora_weights`` / ``lora_state_dict`` /
+        ``load_lora_into_transformer`` write and read this family's LoRA exports."""
+        raise self._missing("pipeline_class")
+
+    def transformer_class(self) -> type:
+        """The diffusers transformer class a full fine-tune's export is a folder of."""
+        raise self._missing("transformer_class")
+
+
+# ------------------------------------------------------------------------------------ shared helpers
+FAMILY_ATTRIBUTE = "_fastvideo_family"  # set by ``tag`` on the unwrapped transformer
+
+
+def tag(transformer: Any, family: ModelFamily) -> Any:
+    """Record ``family`` on the (unwrapped) transformer, so ``models.family_of`` finds it through FSDP/peft/compile;
+    returns ``transformer``. Adapters call it on every transformer they build or load."""
+    setattr(unwrap_model(transformer), FAMILY_ATTRIBUTE, family)
+    return transformer
+
+
+def unwrap_model(model: Any) -> Any:
+    """The innermost model under DDP/FSDP1 (``.module``), torch.compile (``._orig_mod``) or peft wrappers.
+
+    FSDP2's ``fully_shard`` and diffusers' ``add_adapter`` keep the module class, so those need no unwrapping.
+    """
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__.startswith("Peft") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, FSDP1
+            model = model.module
+        else:
+            break
+    return model
+
+
+def model_config(model: Any) -> Any:
+    """A model's diffusers/transformers config, read through wrappers (FSDP1/DDP, torch.compile, peft)."""
+    config = getattr(unwrap_model(model), "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: pass a diffusers/transformers model")
+    return config
+
+
+def config_get(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` for a dict, ``config.key`` for a config object; ``default`` when absent."""
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 if it has none)."""
+    for p in unwrap_model(model).parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _weight_digest(file: Path) -> bytes:
+    """A cheap digest of a (possibly multi-GB) weight file: name, size, safetensors header, first and last MiB."""
+    h = hashlib.sha256()
+    size = file.stat().st_size
+    h.update(f"{file.name}:{size}".encode())
+    chunk = 1 << 20
+    with open(file, "rb") as f:
+        h.update(f.read(chunk))
+        if size > chunk:
+            f.seek(max(chunk, size - chunk))
+            h.update(f.read(chunk))
+    return h.digest()
+
+
+def folder_digest(folder: Path, names: tuple[str, ...]) -> str:
+    """sha256 over the files of ``folder/name`` for each name: relative paths, other files in full, weights sampled."""
+    h = hashlib.sha256()
+    for name in names:
+        for file in sorted((folder / name).rglob("*")):
+            if not file.is_file() or file.name.startswith("."):
+                continue
+            h.update(str(file.relative_to(folder)).encode() + b"\0")
+            if file.suffix in (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5"):
+                h.update(_weight_digest(file))
+            else:
+                h.update(file.read_bytes())
+    return h.hexdigest()
