@@ -69,10 +69,13 @@ def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_p
 # slow (~2 min): the demo's launcher path runs in the default suite in
 # test_launchers.py::test_grpo_launcher_builds_the_toy_world_and_trains, its evaluation in the test above
 @pytest.mark.slow
-def test_grpo_demo_raises_heldout_accuracy(tmp_path):
-    """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2 min): the held-out score (128 prompts) ends
-    above its step-0 value -- the lr-0 control's value at every step (test above) -- by a margin (measured here:
-    0.422 -> 0.457)."""
+def test_grpo_demo_runs_and_does_not_collapse(tmp_path):
+    """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2 min): it evaluates the held-out prompts (128) at
+    steps 0, 10, 20, 30 and 40, and no evaluation falls more than 0.03 below step 0's (the lr-0 control's value at
+    every step, test above). This is not an "it learns" test: seeds 0 (this test's) / 1 / 2 gave held-out scores
+    0.422 -> 0.457, 0.438 -> 0.452 and 0.418 -> 0.417 at step 40 (gains +0.035 / +0.015 / -0.001; mean +0.016, about
+    one standard error of a 128-prompt evaluation), with the lowest evaluation 0.000 / -0.008 / -0.005 below step 0's.
+    A margin every seed clears does not exist at 40 steps; a toy world where accuracy visibly rises is issue 31."""
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"),
            "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
     env.pop("MODEL_PATH", None)
@@ -80,9 +83,9 @@ def test_grpo_demo_raises_heldout_accuracy(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     evals = [r for r in _rows(tmp_path / "out") if "eval/reward_toyworld" in r]
-    start, end = evals[0], evals[-1]
-    assert start["step"] == 0 and end["step"] == 40
-    assert end["eval/reward_toyworld"] - start["eval/reward_toyworld"] > 0.02, [r["eval/reward_toyworld"] for r in evals]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30, 40]
+    scores = [r["eval/reward_toyworld"] for r in evals]
+    assert all(0.0 < s < 1.0 for s in scores) and min(scores) >= scores[0] - 0.03, scores
 
 
 def test_toyworld_reward_refuses_other_prompts_before_loading(tiny_flux_dir, tiny_data, tmp_path):
