@@ -16,7 +16,7 @@ from fastvideo.models import flux
 from fastvideo.toyworld import scenes
 from fastvideo.toyworld.scenes import write_prompt_files
 from fastvideo.toyworld.pretrain import (EVAL_FILE, INFO_FILE, SHIPPED, PretrainConfig, build_from_shipped,
-                                         evaluate, pretrain)
+                                         cpu_fingerprint, evaluate, pretrain)
 
 SMALL = PretrainConfig(num_scenes=64, vae_steps=3, vae_batch=8, steps=3, batch=8, warmup=1, eval_prompts=4,
                        sample_steps=2, heads=2, head_dim=8, double_layers=1, single_layers=1)
@@ -104,15 +104,48 @@ def test_cli_refuses_a_non_empty_out(tmp_path):
     assert (tmp_path / "x" / "file").read_text() == "keep me"
 
 
+SHIPPED_INFO = json.loads((SHIPPED / INFO_FILE).read_text())
+SAME_CPU = SHIPPED_INFO.get("cpu") == cpu_fingerprint()
+
+
+@pytest.fixture(scope="module")
+def repretrained(tmp_path_factory):
+    """``python -m fastvideo.toyworld pretrain`` with the default config and the shipped weights' thread count (~10
+    minutes, once for the tests below)."""
+    out = tmp_path_factory.mktemp("repretrain") / "toy"
+    env = {**os.environ, "OMP_NUM_THREADS": str(SHIPPED_INFO["threads"])}
+    subprocess.run([sys.executable, "-m", "fastvideo.toyworld", "pretrain", "--out", str(out)],
+                   cwd=REPO, env=env, check=True, capture_output=True, timeout=3600)
+    return out
+
+
 # slow (~10 min): the shipped weights themselves are what the default suite's toy_world fixture loads
 @pytest.mark.slow
-def test_pretrain_reproduces_the_shipped_weights(tmp_path):
-    """The default config, with the thread count the shipped weights were made with, gives them bit for bit."""
-    info = json.loads((SHIPPED / INFO_FILE).read_text())
-    env = {**os.environ, "OMP_NUM_THREADS": str(info["threads"])}
-    subprocess.run([sys.executable, "-m", "fastvideo.toyworld", "pretrain", "--out", str(tmp_path / "toy")],
-                   cwd=REPO, env=env, check=True, capture_output=True, timeout=3600)
-    made, shipped = _weights(tmp_path / "toy"), _weights(SHIPPED)
+@pytest.mark.skipif(not SAME_CPU, reason="bit-for-bit needs the CPU the shipped weights were made on (toyworld.json "
+                                         f"'cpu': {SHIPPED_INFO.get('cpu')}, here: {cpu_fingerprint()}); the "
+                                         "cross-CPU variant below runs instead")
+def test_pretrain_reproduces_the_shipped_weights(repretrained):
+    """On the CPU that made them, the default config with their thread count gives the shipped weights bit for bit."""
+    made, shipped = _weights(repretrained), _weights(SHIPPED)
     assert made.keys() == shipped.keys()
     differ = [k for k in made if not torch.equal(made[k], shipped[k])]
     assert not differ, f"{len(differ)} tensors differ from the shipped weights, e.g. {differ[:3]}"
+
+
+# slow (~10 min, the pretraining shared with the test above)
+@pytest.mark.slow
+def test_pretrain_on_this_cpu_gives_the_shipped_model(repretrained):
+    """On any CPU, pretraining gives the shipped model up to the float32 summation order of its kernels: every tensor
+    within 3% (relative norm) of the shipped one, and the same evaluation within 0.01. Measured on an AMD EPYC
+    (AVX512) against weights made on another CPU: every tensor differs, the largest by 0.76%, the held-out scores equal
+    to 4 decimals, the training-prompt checks within 0.004."""
+    made, shipped = _weights(repretrained), _weights(SHIPPED)
+    assert made.keys() == shipped.keys()
+    far = {k: rel for k in made
+           if (rel := ((made[k] - shipped[k]).norm() / shipped[k].norm().clamp_min(1e-12)).item()) > 0.03}
+    assert not far, f"tensors more than 3% from the shipped weights: {far}"
+    made_eval = json.loads((repretrained / EVAL_FILE).read_text())
+    shipped_eval = json.loads((SHIPPED / EVAL_FILE).read_text())
+    for split in ("heldout", "train"):
+        for check, value in shipped_eval[split].items():
+            assert abs(made_eval[split][check] - value) <= 0.01, (split, check, made_eval[split][check], value)

@@ -31,6 +31,20 @@ from fastvideo.seeding import derive_seed
 from fastvideo.toyworld import scenes, verify
 
 INFO_FILE = "toyworld.json"
+
+
+def cpu_fingerprint() -> str:
+    """The CPU model and the kernels torch picks on it (``/proc/cpuinfo``'s model name, torch's CPU capability): the
+    float32 sums of pretraining are bit-reproducible only where both match (recorded in toyworld.json)."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} / {torch.backends.cpu.get_cpu_capability()}"
 EVAL_FILE = "eval.json"
 TINY_PRESET = "tiny"
 SHIPPED = Path(__file__).parent / "weights"  # the default config's output (vae/, transformer/, the two JSON files)
@@ -334,7 +348,7 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig = PretrainConfig(),
         timings["eval"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t_start
         _log(f"eval: {json.dumps(result)}", log)
-        info = {"config": dataclasses.asdict(cfg), "threads": torch.get_num_threads(),
+        info = {"config": dataclasses.asdict(cfg), "threads": torch.get_num_threads(), "cpu": cpu_fingerprint(),
                 "timings_s": {k: round(v, 1) for k, v in timings.items()},
                 "recommended": {"h": cfg.size, "w": cfg.size, "max_sequence_length": cfg.text_len,
                                 "sampling_steps": cfg.sample_steps, "shift": cfg.sample_shift}}
