@@ -40,6 +40,7 @@ def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path):
     assert json.loads((a / EVAL_FILE).read_text()) == json.loads((b / EVAL_FILE).read_text())
     info = json.loads((a / INFO_FILE).read_text())
     assert info["config"]["steps"] == 3 and info["recommended"]["max_sequence_length"] == SMALL.text_len
+    assert info["cpu"] == cpu_fingerprint() and " / " in info["cpu"]  # what the bit-for-bit variant is keyed on
     other = pretrain(tmp_path / "c", PretrainConfig(**{**SMALL.__dict__, "seed": 1}), log=None)
     assert not torch.equal(_weights(other)["transformer/proj_out.weight"], wa["transformer/proj_out.weight"])
 
