@@ -227,9 +227,11 @@ def test_world_size_does_not_change_rewards(full_runs):
     one = read_metrics(full_runs["single"] / "metrics.jsonl")
     for key in ("reward_mean", "reward_std", "reward_hpsv2"):
         assert one[0][key] == pytest.approx(two[0][key], rel=1e-6, abs=1e-7), key
-    # the first update is the same too, so step 2 samples from the same policy
-    for key in ("loss", "grad_norm"):
-        assert one[0][key] == pytest.approx(two[0][key], rel=1e-4, abs=1e-8), key
+    # the first update is the same too, so step 2 samples from the same policy. Its loss is the mean of zero-mean
+    # advantages times ratios of 1: zero up to rounding (measured 0.0 on 1 rank vs 1.1e-8 on 2 ranks on one CPU), so
+    # it is checked at that scale; the gradient norm is what tells two updates apart
+    assert abs(one[0]["loss"]) < 1e-6 and abs(two[0]["loss"]) < 1e-6, (one[0]["loss"], two[0]["loss"])
+    assert one[0]["grad_norm"] == pytest.approx(two[0]["grad_norm"], rel=1e-4, abs=1e-8)
     assert one[1]["reward_mean"] == pytest.approx(two[1]["reward_mean"], rel=1e-4)
 
 
