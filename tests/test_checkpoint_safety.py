@@ -69,7 +69,10 @@ def _killed_save(out: str, point: str, step: int) -> None:
     os._exit(3)  # not killed: the patch missed
 
 
-@pytest.mark.parametrize("point", ["model shards", "ema shards", "trainer state", "meta.json", "rename", "swap"])
+# three crash points in the default suite (a shard, the metadata, the rename), the other three slow (suite time)
+@pytest.mark.parametrize("point", ["model shards", pytest.param("ema shards", marks=pytest.mark.slow),
+                                   pytest.param("trainer state", marks=pytest.mark.slow), "meta.json", "rename",
+                                   pytest.param("swap", marks=pytest.mark.slow)])
 def test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint(tmp_path, point):
     model, opt, sched, ema, good, trained = _saved_run(tmp_path)
     step = 1 if point == "swap" else 2  # swap: re-saving the step that exists (its old copy is moved aside first)

@@ -118,6 +118,9 @@ def test_missing_method_names_the_adapter_and_the_docs():
         Half().predict_velocity(None, torch.zeros(1), 0.5, {}, {})
 
 
+# slow for the default suite's time (~25 s): every default trainer test reaches the model through the family interface
+# (Flux1), and package.module:Class resolution runs in test_bad_model_family_is_one_clear_error
+@pytest.mark.slow
 def test_user_adapter_trains_grpo_bit_identically(tiny_flux_dir, tiny_data, tmp_path):
     """``--model_family mypkg.families:MarkedFlux`` (a module outside this package, on PYTHONPATH): both ranks build
     through it and every velocity goes through it, and the run's metrics equal the built-in adapter's exactly."""
