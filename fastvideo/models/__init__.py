@@ -79,11 +79,11 @@ def resolve(spec: str = "auto", model_path: str | os.PathLike | None = None,
     pipeline = pipeline_class_name(model_path) if model_path is not None else None
     if pipeline is None:
         return _load(FAMILIES["flux1"], flag)
-    for name, target in FAMILIES.items():
-        family = _load(target, flag)
+    loaded = {name: _load(target, flag) for name, target in FAMILIES.items()}
+    for family in loaded.values():
         if pipeline in family.pipeline_classes:
             return family
-    served = {n: list(_load(t, flag).pipeline_classes) for n, t in FAMILIES.items()}
+    served = {name: list(family.pipeline_classes) for name, family in loaded.items()}
     raise ValueError(f"{model_path}: model_index.json names {pipeline!r}, which no model family serves "
                      f"({served}); pass {flag} NAME to force one, or {flag} package.module:Class for your own "
                      f"adapter ({_HELP})")
