@@ -504,15 +504,44 @@ def write_flux_dev_config(out_dir: str | os.PathLike) -> Path:
     return _write_atomically(out_dir, _write_flux_dev_config_folder)
 
 
+# Presets of the other model families, each built by its adapter module: name -> ("module:function", help). The
+# function takes ``(out_dir, seed)`` and returns the folder (written atomically with ``write_atomically``); config
+# presets (no weights) ignore the seed.
+FAMILY_PRESETS: dict[str, tuple[str, str]] = {
+    "sd3-tiny": ("fastvideo.models.sd3:build_tiny", "a tiny SD3.5 (three text encoders) at 64px"),
+    "sd3.5-medium-config": ("fastvideo.models.sd3:write_config", "SD3.5-Medium's real configs, no weights"),
+    "qwen-image-tiny": ("fastvideo.models.qwen_image:build_tiny", "a tiny Qwen-Image at 64px"),
+    "qwen-image-config": ("fastvideo.models.qwen_image:write_config", "Qwen-Image's real configs, no weights"),
+    "flux2-tiny": ("fastvideo.models.flux2:build_tiny", "a tiny FLUX.2 (klein layout: Qwen3 text encoder) at 64px"),
+    "flux2-klein-4b-config": ("fastvideo.models.flux2:write_config", "FLUX.2-klein-4B's real configs, no weights"),
+}
+write_atomically = _write_atomically  # the family modules' builders use it
+
+
+def build_preset(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
+    """Write any preset's folder (FLUX.1 tiny/bench, flux-dev-config, or a family preset) to ``out_dir``."""
+    if preset in FAMILY_PRESETS:
+        import importlib
+
+        target = FAMILY_PRESETS[preset][0]
+        module, _, function = target.partition(":")
+        return getattr(importlib.import_module(module), function)(out_dir, seed)
+    if preset == FLUX_DEV_CONFIG_PRESET:
+        return write_flux_dev_config(out_dir)
+    return build_tiny_flux(out_dir, preset=preset, seed=seed)
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: build a tiny FLUX folder (a tiny HPS reward model / FLUX.1-dev configs by preset)."""
     parser = argparse.ArgumentParser(description="Build a tiny, randomly initialised model folder (seeded), "
                                                  "or FLUX.1-dev's configs without weights.")
-    parser.add_argument("--preset", choices=[*PRESETS, "hps-tiny", FLUX_DEV_CONFIG_PRESET], default="tiny",
+    parser.add_argument("--preset", choices=[*PRESETS, "hps-tiny", FLUX_DEV_CONFIG_PRESET, *FAMILY_PRESETS],
+                        default="tiny",
                         help="tiny: ~0.1M-param FLUX at 64px; bench: ~10M-param FLUX at 256px; "
                              "hps-tiny: a tiny open_clip HPS reward checkpoint; "
                              f"{FLUX_DEV_CONFIG_PRESET}: FLUX.1-dev's real configs, no weights (for meta-device "
-                             "memory planning; --seed is ignored)")
+                             "memory planning; --seed is ignored); "
+                             + "; ".join(f"{k}: {v[1]}" for k, v in FAMILY_PRESETS.items()))
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed => same files)")
     args = parser.parse_args(argv)
@@ -520,10 +549,8 @@ def main(argv: list[str] | None = None) -> None:
         from fastvideo.rewards.hpsv2 import build_tiny_hps
 
         path = build_tiny_hps(args.out, seed=args.seed)
-    elif args.preset == FLUX_DEV_CONFIG_PRESET:
-        path = write_flux_dev_config(args.out)
     else:
-        path = build_tiny_flux(args.out, preset=args.preset, seed=args.seed)
+        path = build_preset(args.out, args.preset, seed=args.seed)
     print(f"wrote {path}")
 
 

@@ -54,14 +54,14 @@ def test_auto_reads_model_index(tiny_flux_dir, tmp_path):
 
 
 def test_unserved_pipeline_names_the_fix(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
-    with pytest.raises(ValueError, match="names 'StableDiffusion3Pipeline', which no model family serves") as err:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError, match="names 'StableDiffusionXLPipeline', which no model family serves") as err:
         models.resolve("auto", tmp_path)
     assert "--model_family package.module:Class" in str(err.value) and "docs/model-families.md" in str(err.value)
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nonsense", "neither 'auto', a family (flux1) nor 'package.module:Class'"),
+    ("nonsense", "neither 'auto', a family (flux1, sd3, qwen-image, flux2) nor 'package.module:Class'"),
     ("no_such_package_xyz:Family", "cannot import 'no_such_package_xyz'"),
     ("fastvideo.models.flux:LatentGeometry", "has no ModelFamily subclass 'LatentGeometry'"),
 ])

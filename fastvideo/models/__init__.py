@@ -25,6 +25,9 @@ __all__ = ["ModelFamily", "SamplerDefaults", "FAMILIES", "names", "resolve", "fa
 # name -> "module:Class" of the adapters this package ships (imported on first use)
 FAMILIES: dict[str, str] = {
     "flux1": "fastvideo.models.flux:Flux1",
+    "sd3": "fastvideo.models.sd3:SD3",
+    "qwen-image": "fastvideo.models.qwen_image:QwenImage",
+    "flux2": "fastvideo.models.flux2:Flux2",
 }
 _HELP = "docs/model-families.md"
 _cache: dict[str, ModelFamily] = {}

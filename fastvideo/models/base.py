@@ -31,6 +31,8 @@ class SamplerDefaults:
     width: int
     max_sequence_length: int
     shift: float | None = None
+    cfg_scale: float = 1.0  # true classifier-free guidance of the stock pipeline (1 = none: FLUX.1's distilled guidance)
+    negative_prompt: str = ""  # the negative prompt --cfg_scale > 1 guides away from (stock pipelines: "")
 
 
 class ModelFamily:
@@ -50,6 +52,8 @@ class ModelFamily:
     embedding_keys: ClassVar[tuple[str, ...]] = ()  # the per-prompt tensors preprocessing stores, in file order
     defaults: ClassVar[SamplerDefaults]
     lora_target_modules: ClassVar[tuple[str, ...]] = ()  # default --lora_target_modules
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the transformer's repeated-block ModuleLists
+    sequence_parallel: ClassVar[bool] = False  # whether --sp_size > 1 (Ulysses) is implemented for this family
 
     def __repr__(self) -> str:
         return f"{type(self).__module__}:{type(self).__qualname__}"
@@ -104,6 +108,17 @@ class ModelFamily:
         """A digest of the VAE's files: cached latents are checked against it."""
         return folder_digest(self.check_folder(path, ("vae",)), ("vae",))
 
+    def collate(self, cond: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A stacked batch of stored embeddings (CPU, ``(B, ...)`` per key) as the transformer takes it: e.g. cut the
+        padding columns that no row's attention mask keeps. Runs on the CPU before the batch goes to the device;
+        default: unchanged."""
+        return cond
+
+    def text_tokens(self, max_sequence_length: int) -> int:
+        """Text tokens per prompt the transformer attends over for a store of ``max_sequence_length`` (the planner's
+        and FLOP meter's T); default: ``max_sequence_length``."""
+        return int(max_sequence_length)
+
     # ------------------------------------------------------------------------------------------- latents
     def latent_geometry(self, vae_or_config: Any, height: int, width: int) -> Any:
         """The latent layout for ``height`` x ``width`` images (``.height .width .seq_len .packed_channels
@@ -122,6 +137,11 @@ class ModelFamily:
         rows' embeddings (``embedding_keys``) on the model's device; ``shared``: ``conditioning``'s result."""
         raise self._missing("predict_velocity")
 
+    def sigmas(self, steps: int, image_seq_len: int) -> torch.Tensor:
+        """The stock pipeline's (S+1,) float32 sigma grid, 1 down to a final 0, for ``steps`` steps at
+        ``image_seq_len`` packed tokens (the default when --shift is unset; --shift gives DanceGRPO's static grid)."""
+        raise self._missing("sigmas")
+
     def decode(self, vae: Any, latents: torch.Tensor, geometry: Any, micro_batch: int | None = None
                ) -> torch.Tensor:
         """Packed latents (B, L, C) -> images (B, 3, H, W) float32 in [0, 1], as the stock pipeline decodes."""
@@ -131,6 +151,23 @@ class ModelFamily:
                ) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1] -> packed latents (B, L, C) float32 (posterior mode): ``decode``'s inverse."""
         raise self._missing("encode")
+
+    # ------------------------------------------------------------------------------- FLOPs and memory plan
+    def transformer_flops(self, config: Any, image_tokens: int, text_tokens: int, batch: int = 1, *,
+                          backward: bool = False, weight_grads: bool = True) -> int:
+        """FLOPs of one transformer forward (``backward``: + its backward; ``weight_grads=False``: LoRA, input
+        gradients only) as ``torch.utils.flop_counter`` counts them (2 per multiply-add)."""
+        raise self._missing("transformer_flops")
+
+    def forward_tokens(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[int, int, int] | None:
+        """``(batch, image tokens, text tokens)`` of one transformer call's arguments (the FLOP meter's hook), None
+        when they are not there."""
+        raise self._missing("forward_tokens")
+
+    def example_inputs(self, config: Any, batch: int, image_tokens: int, text_tokens: int, dtype: torch.dtype,
+                       device: torch.device | str) -> dict[str, Any]:
+        """Keyword arguments of one transformer forward on empty tensors (the planner traces it on meta)."""
+        raise self._missing("example_inputs")
 
     # ------------------------------------------------------------------------------------- device, export
     def prepare_for_device(self, transformer: Any, device: torch.device | str, *, param_dtype: torch.dtype | None

@@ -593,6 +593,8 @@ class Flux1(ModelFamily):
     embedding_keys = ("prompt_embeds", "pooled_prompt_embeds")
     defaults = SamplerDefaults(steps=28, guidance=3.5, height=1024, width=1024, max_sequence_length=MAX_T5_TOKENS)
     lora_target_modules = LORA_TARGET_MODULES
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    sequence_parallel = True
 
     def check_folder(self, path, components=None):
         return check_model_folder(path, COMPONENTS if components is None else components)
@@ -632,11 +634,40 @@ class Flux1(ModelFamily):
         return predict_velocity(transformer, latents, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"],
                                 shared["img_ids"], shared["txt_ids"], guidance=shared["guidance"])
 
+    def sigmas(self, steps, image_seq_len):
+        from fastvideo.schedulers import get_sigmas
+
+        return get_sigmas(steps, image_seq_len=image_seq_len)
+
     def decode(self, vae, latents, geometry, micro_batch=None):
         return decode(vae, latents, geometry, micro_batch)
 
     def encode(self, vae, images, geometry, micro_batch=None):
         return encode(vae, images, geometry, micro_batch)
+
+    def transformer_flops(self, config, image_tokens, text_tokens, batch=1, *, backward=False, weight_grads=True):
+        from fastvideo.flops import transformer_flops
+
+        return transformer_flops(config, image_tokens, text_tokens, batch, backward=backward,
+                                 weight_grads=weight_grads)
+
+    def forward_tokens(self, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)  # (B, L, C) packed
+        text = kwargs.get("encoder_hidden_states")  # (B, T, D)
+        return None if x is None or text is None else (x.shape[0], x.shape[1], text.shape[1])
+
+    def example_inputs(self, config, batch, image_tokens, text_tokens, dtype, device):
+        return dict(
+            hidden_states=torch.empty(batch, image_tokens, config_get(config, "in_channels"), device=device,
+                                      dtype=dtype),
+            encoder_hidden_states=torch.empty(batch, text_tokens, config_get(config, "joint_attention_dim"),
+                                              device=device, dtype=dtype),
+            pooled_projections=torch.empty(batch, config_get(config, "pooled_projection_dim"), device=device,
+                                           dtype=dtype),
+            timestep=torch.empty(batch, device=device),
+            guidance=torch.empty(batch, device=device) if config_get(config, "guidance_embeds") else None,
+            img_ids=torch.empty(image_tokens, 3, device=device), txt_ids=torch.empty(text_tokens, 3, device=device),
+            return_dict=False)
 
     def prepare_for_device(self, transformer, device, *, param_dtype=None, attention_backend="auto"):
         return prepare_for_device(transformer, device, param_dtype=param_dtype, attention_backend=attention_backend)
