@@ -131,6 +131,11 @@ class ModelFamily:
         without a blocking copy; ``cond`` holds the batch's embeddings (for their length and dtype)."""
         raise self._missing("conditioning")
 
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """True classifier-free guidance of the stock pipeline from the conditional and unconditional velocities
+        (B, L, C) float32: ``v_u + s (v_c - v_u)``; a family whose pipeline rescales (Qwen-Image) overrides it."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
     def predict_velocity(self, transformer: Any, latents: torch.Tensor, sigma: float | torch.Tensor,
                          cond: Mapping[str, torch.Tensor], shared: Mapping[str, Any]) -> torch.Tensor:
         """Velocity (B, L, C) float32 at noise level ``sigma`` (0-d or (B,)) for packed ``latents``; ``cond``: the
@@ -195,6 +200,33 @@ def tag(transformer: Any, family: ModelFamily) -> Any:
     returns ``transformer``. Adapters call it on every transformer they build or load."""
     setattr(unwrap_model(transformer), FAMILY_ATTRIBUTE, family)
     return transformer
+
+
+def check_components(path: str | os.PathLike, component_files: Mapping[str, tuple[str, ...]],
+                     components: tuple[str, ...] | list[str], what: str, hint: str) -> Path:
+    """``path`` as a Path if every component folder in ``components`` holds one of its ``component_files``; else
+    FileNotFoundError naming what is missing and ``hint`` (how to get the folder). ``what``: e.g. "FLUX"."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{what} model folder {str(folder)!r} does not exist: {hint}")
+    missing = []
+    for name in components:
+        if name not in component_files:
+            raise ValueError(f"unknown {what} component {name!r}: choose from {list(component_files)}")
+        if not any((folder / name / f).is_file() for f in component_files[name]):
+            missing.append(f"{name}/ ({' or '.join(component_files[name])})")
+    if missing:
+        raise FileNotFoundError(f"{what} model folder {str(folder)!r} is missing {', '.join(missing)}: {hint}")
+    return folder
+
+
+def component_folder(path: str | os.PathLike, name: str, check: Any) -> Path:
+    """``path/name`` if ``path`` is a pipeline folder (checked with ``check(path, (name,))``), ``path`` itself if it
+    already is the component folder (holds a config.json and no ``name/``)."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file() and not (folder / name).is_dir():
+        return folder
+    return check(folder, (name,)) / name
 
 
 def unwrap_model(model: Any) -> Any:

@@ -19,8 +19,8 @@ from fastvideo import devices
 from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTION_BACKEND,  # noqa: F401
                                          attention_backend_names, attention_backend_of, check_attention_backend,
                                          set_attention_backend, set_npu_attention)
-from fastvideo.models.base import (ModelFamily, SamplerDefaults, config_get, model_config,  # noqa: F401
-                                    model_dtype, tag, unwrap_model)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, check_components, component_folder,  # noqa: F401
+                                    config_get, model_config, model_dtype, tag, unwrap_model)
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -42,26 +42,12 @@ _BUILD_HINT = ("pass a diffusers FLUX folder (e.g. a local download of black-for
 # ----------------------------------------------------------------------------------------------- loading
 def check_model_folder(path: str | os.PathLike, components: tuple[str, ...] | list[str] = COMPONENTS) -> Path:
     """Return ``path`` as a Path if it holds the given FLUX components; else FileNotFoundError naming the fix."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(f"FLUX model folder {str(folder)!r} does not exist: {_BUILD_HINT}")
-    missing = []
-    for name in components:
-        if name not in _COMPONENT_FILES:
-            raise ValueError(f"unknown FLUX component {name!r}: choose from {list(COMPONENTS)}")
-        if not any((folder / name / f).is_file() for f in _COMPONENT_FILES[name]):
-            missing.append(f"{name}/ ({' or '.join(_COMPONENT_FILES[name])})")
-    if missing:
-        raise FileNotFoundError(f"FLUX model folder {str(folder)!r} is missing {', '.join(missing)}: {_BUILD_HINT}")
-    return folder
+    return check_components(path, _COMPONENT_FILES, components, "FLUX", _BUILD_HINT)
 
 
 def _subfolder(path: str | os.PathLike, name: str) -> Path:
     """``path/name`` if ``path`` is a pipeline folder, ``path`` itself if it already is the component folder."""
-    folder = Path(path).expanduser()
-    if (folder / "config.json").is_file() and not (folder / name).is_dir():
-        return folder
-    return check_model_folder(folder, (name,)) / name
+    return component_folder(path, name, check_model_folder)
 
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
