@@ -1,4 +1,4 @@
-"""Encode a prompt file into FLUX text embeddings on disk (T5 prompt_embeds + CLIP pooled).
+"""Encode a prompt file into the model family's text embeddings on disk (FLUX.1: T5 prompt_embeds + CLIP pooled).
 
     torchrun --nproc_per_node N preprocess_embeddings.py --model_path DIR --prompt_file FILE --output_dir OUT
 
@@ -22,14 +22,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = FlagParser(description=__doc__.split("\n\n")[0])
     add_config_flag(p)
     p.add_argument("--model_path", required=True,
-                   help="diffusers FLUX folder (needs text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
+                   help="diffusers model folder (needs the family's tokenizers and text encoders; FLUX.1: "
+                        "text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
     p.add_argument("--prompt_file", required=True, help="UTF-8 text file, one prompt per line, blank lines skipped")
     p.add_argument("--output_dir", required=True, help="directory for manifest.json and the safetensors shards")
     p.add_argument("--model_family", default="auto",
-                   help="model family adapter: auto (from model_index.json) | flux1 | package.module:Class "
-                        "(docs/model-families.md)")
-    p.add_argument("--max_sequence_length", type=int, default=512,
-                   help="T5 tokens per prompt, 1..512 (longer prompts are truncated and counted); 512 for FLUX.1-dev")
+                   help="model family adapter: auto (from model_index.json) | flux1 | sd3 | qwen-image | flux2 | "
+                        "package.module:Class (docs/model-families.md)")
+    p.add_argument("--max_sequence_length", type=int, default=None,
+                   help="text tokens per prompt, 1..the family's limit (longer prompts are truncated and counted); "
+                        "default: the family's pipeline default (FLUX.1: 512 T5 tokens)")
+    p.add_argument("--negative_prompt", default=None,
+                   help="also store this prompt's embeddings, the unconditional branch of --cfg_scale > 1 in the "
+                        "trainers and sample.py (e.g. --negative_prompt \"\"); default: none (CFG-free training)")
     p.add_argument("--batch_size", type=int, default=8, help="prompts per text-encoder forward pass")
     p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE,
                    help="prompts per shard file (the unit of work per rank and of resume)")
@@ -37,8 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="text-encoder compute and storage dtype (bf16 halves disk and memory for FLUX.1-dev)")
     args = parse_with_config(p, argv)
-    if not 1 <= args.max_sequence_length <= 512:
-        p.error(f"--max_sequence_length must be in [1, 512] (FLUX's T5 limit), got {args.max_sequence_length}")
     if args.batch_size < 1:
         p.error(f"--batch_size must be >= 1, got {args.batch_size}")
     return args
@@ -48,9 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     """Validate inputs, encode this rank's unfinished shards, then rank 0 writes the manifest."""
     with errors.exit_on_usage_error(), errors.checking():  # a bad flag or path: one line, exit status 2
         args = parse_args(argv)
+        if args.max_sequence_length is None:
+            from fastvideo import models
+
+            args.max_sequence_length = models.resolve(args.model_family, args.model_path).defaults.max_sequence_length
         writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
                                    max_sequence_length=args.max_sequence_length, dtype=args.dtype,
-                                   shard_size=args.shard_size, model_family=args.model_family)
+                                   shard_size=args.shard_size, model_family=args.model_family,
+                                   negative_prompt=args.negative_prompt)
     dist = distributed.init_distributed(args.device)
     start = time.perf_counter()
     done = write_prompt_store(writer, device=dist.device, batch_size=args.batch_size)
@@ -58,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         manifest, spec = done["manifest"], writer.spec
         print(f"[preprocess] {manifest['num_prompts']} prompts in {len(manifest['shards'])} shards "
               f"(encoded {done['encoded']}, kept {done['kept']} finished) on {dist.world_size} rank(s) in "
-              f"{time.perf_counter() - start:.1f}s; {manifest['num_truncated']} truncated (T5 > "
-              f"max_sequence_length={spec.max_sequence_length} or CLIP > 77 tokens); dtype {spec.dtype}; "
-              f"-> {writer.output_dir / 'manifest.json'}", flush=True)
+              f"{time.perf_counter() - start:.1f}s; {manifest['num_truncated']} truncated (longer than "
+              f"max_sequence_length={spec.max_sequence_length} or CLIP's 77 tokens); dtype {spec.dtype}; "
+              + (f"negative prompt {spec.negative_prompt!r}; " if spec.negative_prompt is not None else "")
+              + f"-> {writer.output_dir / 'manifest.json'}", flush=True)
     distributed.cleanup()
 
 

@@ -14,8 +14,9 @@ win (--seed stays sample.py's own: 42). After a run: ``sample.py --run_dir OUT -
 ``sample.py --run_dir OUT --compare OUT/sampled/base``. (The flag is --run_dir, not --run: torchrun's own parser
 refuses --run, a prefix of its --run_path.)
 
-Sampling is the deterministic Euler ODE of ``FluxPipeline`` (same sigmas, dynamic shift and guidance; equal images for
-the same initial noise). Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
+Sampling is the deterministic Euler ODE of the family's stock pipeline (``FluxPipeline``, ``StableDiffusion3Pipeline``,
+...: same sigmas, guidance and true CFG with --cfg_scale; equal images for the same initial noise); unset --h/--w,
+--num_inference_steps, --guidance_scale, --cfg_scale and --max_sequence_length take the family's pipeline defaults. Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
 ``SAMPLES/images/pPPPPPP-sKKK.png`` whatever the number of ranks or the batch size, so two models sampled with the
 same seed see the same noise: ``--compare BASE_SAMPLES`` then puts them side by side (``SAMPLES/compare.png``).
 ``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores) and ``SAMPLES/summary.json`` the mean,
@@ -107,8 +108,9 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     # ---- 1. prompts: a prompt file is encoded once (text encoders only), a manifest is read as it is ----------
     manifest = evaluation.prompt_manifest(args.prompts, args.pretrained_model_name_or_path, out / "embeddings",
                                           max_sequence_length=args.max_sequence_length, dtype=args.embedding_dtype,
-                                          device=dist.device, model_family=models.spec_of(args))
-    dataset = EmbeddingDataset(manifest)
+                                          device=dist.device, model_family=models.spec_of(args),
+                                          negative_prompt=args.negative_prompt if args.cfg_scale > 1 else None)
+    dataset = EmbeddingDataset(manifest).use(models.family_for(args), negative=args.cfg_scale > 1)
     dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
     n = min(args.max_prompts or len(dataset), len(dataset))
     if args.reward:
@@ -134,7 +136,7 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
                                               model_family=models.spec_of(args))
     cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
                                 guidance=args.guidance_scale, batch_size=args.batch_size,
-                                decode_batch_size=decode_batch)
+                                decode_batch_size=decode_batch, cfg_scale=args.cfg_scale)
 
     # ---- 3. this rank's images, in batches: sample -> PNG -> score -------------------------------------------
     prompt_ids, sample_indices, real = evaluation.image_items(n, args.num_images_per_prompt, dist.rank,

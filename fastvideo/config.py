@@ -58,6 +58,12 @@ class SamplingOptions:
     eta: float | None = opt(None, "SDE noise level (default by --sde_type: flow_sde 0.9, dance_sde 0.3, cps 0.8)")
     shift: float | None = opt(None, "static sigma shift (DanceGRPO: 3); unset = FLUX dynamic shift like FluxPipeline")
     guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
+    cfg_scale: float = opt(1.0, "true classifier-free guidance scale, 1 = off (FLUX.1 uses --guidance_scale instead): "
+                                "> 1 samples, replays and evaluates with the guided velocity v_u + s(v_c - v_u) from "
+                                "one batched forward of prompt + negative prompt (Flow-GRPO trains SD3.5-M with 4.5; "
+                                "GRPO's ratios are those of the guided step); DPO's and NFT's losses stay on the "
+                                "conditional velocity (their papers train CFG-free). Needs embeddings preprocessed "
+                                "with --negative_prompt")
     sde_window_size: int = opt(0, "noise only on this many consecutive steps (0 = every step is stochastic)")
     sde_window_range: tuple[int, int] | None = opt(
         None, "two step indices LO HI: the window lies in steps [LO, HI) (default: 0 S-1, never the last step)",
@@ -269,11 +275,17 @@ class SampleOptions:
     output_dir: str = opt("outputs/samples", "folder for images/, index.jsonl, summary.json, config.json and "
                                              "compare.png; must not hold another sampling (with --run_dir: "
                                              "OUT/sampled/final, or OUT/sampled/base with --base)")
-    num_inference_steps: int = opt(28, "Euler ODE steps (FluxPipeline's default: 28)")
-    guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
-    h: int = opt(1024, "image height in pixels (FluxPipeline's default: 1024)")
-    w: int = opt(1024, "image width in pixels (FluxPipeline's default: 1024)")
-    shift: float | None = opt(None, "static sigma shift; unset = FLUX dynamic shift, as FluxPipeline")
+    num_inference_steps: int | None = opt(None, "Euler ODE steps (default: the family's pipeline default; FLUX.1: 28)")
+    guidance_scale: float | None = opt(None, "distilled guidance value fed to models with a guidance embedding "
+                                             "(default: the family's; FLUX.1-dev: 3.5; ignored by models without it)")
+    cfg_scale: float | None = opt(None, "true classifier-free guidance scale, 1 = off (default: the family's pipeline "
+                                        "default; FLUX.1: 1, it uses --guidance_scale)")
+    negative_prompt: str | None = opt(None, "the negative prompt of --cfg_scale > 1 when --prompts is a prompt file "
+                                            "(default: the family's; a manifest brings its own)")
+    h: int | None = opt(None, "image height in pixels (default: the family's pipeline default; FLUX.1: 1024)")
+    w: int | None = opt(None, "image width in pixels (default: the family's pipeline default; FLUX.1: 1024)")
+    shift: float | None = opt(None, "static sigma shift; unset = the family pipeline's schedule (FLUX.1: dynamic "
+                                    "shift, as FluxPipeline)")
     seed: int = opt(42, "image k of prompt p starts from the noise keyed (seed, p, k): same seed, same images")
     num_images_per_prompt: int = opt(1, "images per prompt (sample indices 0..N-1)")
     max_prompts: int = opt(0, "sample the first N prompts (0 = all)")
@@ -286,7 +298,8 @@ class SampleOptions:
     mixed_precision: str = opt("auto", "transformer dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
                                choices=("auto", "bf16", "fp32"))
     noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
-    max_sequence_length: int = opt(512, "T5 tokens per prompt when --prompts is a prompt file (512 for FLUX.1-dev)")
+    max_sequence_length: int | None = opt(None, "text tokens per prompt when --prompts is a prompt file (default: the "
+                                                "family's; FLUX.1: 512 T5 tokens)")
     embedding_dtype: str = opt("fp32", "text-encoder dtype when --prompts is a prompt file", choices=("fp32", "bf16"))
 
 
@@ -730,7 +743,10 @@ def validate_common(args: argparse.Namespace) -> None:
                                 "a local diffusers FLUX folder (e.g. a FLUX.1-dev snapshot)")
     from fastvideo import models
 
-    models.family_for(args)  # --model_family: ValueError naming the choices, before anything else reads the folder
+    family = models.family_for(args)  # --model_family: ValueError naming the choices, before anything reads the folder
+    _need(getattr(args, "sp_size", 1) == 1 or family.sequence_parallel,
+          f"--sp_size {getattr(args, 'sp_size', 1)}: sequence parallelism is not implemented for the {family.name} "
+          "family (FLUX.1 has it); run it with --sp_size 1 and shard with FSDP")
     dry_run = getattr(args, "dry_run", False)  # a plan needs no embeddings (512 text tokens are assumed)
     _need(args.data_json_path is not None or dry_run,
           "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
@@ -790,6 +806,8 @@ def validate_sampling(args: argparse.Namespace) -> None:
         args.eta = DEFAULT_ETA[args.sde_type]
     _need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
     _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    _need(getattr(args, "cfg_scale", 1.0) >= 1,
+          f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {getattr(args, 'cfg_scale', 1.0)}")
     _need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
     _need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = auto), got {args.decode_batch_size}")
     S = args.sampling_steps
@@ -1016,7 +1034,19 @@ def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # sample.py flags that must equal the --compare folder's (the same noise and sampler, or the grid compares nothing)
-COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "h", "w", "shift", "noise_device")
+COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h", "w", "shift", "noise_device")
+
+
+def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
+    """sample.py's unset sampler flags (None) from the model family's pipeline defaults (``SamplerDefaults``)."""
+    d = family.defaults
+    for flag, value in (("num_inference_steps", d.steps), ("h", d.height), ("w", d.width),
+                        ("max_sequence_length", d.max_sequence_length), ("cfg_scale", d.cfg_scale),
+                        ("guidance_scale", d.guidance if d.guidance is not None else 1.0)):
+        if getattr(args, flag, None) is None:
+            setattr(args, flag, value)
+    if getattr(args, "negative_prompt", None) is None and args.cfg_scale > 1:
+        args.negative_prompt = d.negative_prompt
 
 
 def validate_sample(args: argparse.Namespace) -> dict | None:
@@ -1037,6 +1067,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
         raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at a "
                                 "local diffusers FLUX folder")
     family = models.family_for(args)
+    fill_family_defaults(args, family)
     _need(args.prompts is not None, "--prompts is required: a prompt file (one per line) or an embeddings manifest")
     check_prompts_path("--prompts", args.prompts)
     _need(args.lora_path is None or args.transformer_path is None,
@@ -1058,6 +1089,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     _need(1 <= args.max_sequence_length <= limit, f"--max_sequence_length must be in [1, {limit}], got "
                                                   f"{args.max_sequence_length}")
     _need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    _need(args.cfg_scale >= 1, f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {args.cfg_scale}")
     family.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
     if args.reward:
         parse_reward_spec(args.reward)

@@ -6,25 +6,32 @@ The on-disk format lives here only. ``preprocess_embeddings.py`` writes it throu
 Layout of an output directory::
 
     OUT/manifest.json            what was encoded, with which encoders (format below)
-    OUT/shard-00000.safetensors  prompts [0, shard_size), tensors "prompt_embeds" (n, T, D) and
-    OUT/shard-00001.safetensors  "pooled_prompt_embeds" (n, Dp); header metadata records the encoder
-    ...                          fingerprint, max_sequence_length, dtype, id range and a hash of the
-                                 prompt texts, so a re-run can keep finished shards.
+    OUT/shard-00000.safetensors  prompts [0, shard_size), one tensor per key of the model family's
+    OUT/shard-00001.safetensors  ``embedding_keys`` (FLUX.1: "prompt_embeds" (n, T, D) and "pooled_prompt_embeds"
+    ...                          (n, Dp)); header metadata records the encoder fingerprint, max_sequence_length,
+                                 dtype, id range and a hash of the prompt texts, so a re-run keeps finished shards.
+    OUT/negative.safetensors     the negative prompt's embeddings (one row per key; --negative_prompt), read by
+                                 --cfg_scale > 1
 
 Shard ``k`` always holds the consecutive prompt ids ``[k*shard_size, (k+1)*shard_size)`` whatever the
-number of ranks, so one rank and many ranks write identical files. Text ids are never stored (they are
-zeros; see ``fastvideo.models.flux.text_ids``).
+number of ranks, so one rank and many ranks write identical files. Position ids are never stored (the family
+derives them). Variable-length text (Qwen-Image) is stored padded to ``max_sequence_length`` beside its mask; the
+family's ``collate`` trims a batch's unused padding.
 
-Manifest (``format_version`` 1)::
+Manifest (``format_version`` 2)::
 
-    {"format_version": 1, "model_path": str, "encoders_fingerprint": str, "max_sequence_length": int,
-     "dtype": "fp32" | "bf16", "num_prompts": int, "num_truncated": int, "shard_size": int,
-     "prompt_embeds_shape": [T, D], "pooled_prompt_embeds_shape": [Dp], "prompt_file": str,
+    {"format_version": 2, "model_path": str, "model_family": str, "encoders_fingerprint": str,
+     "max_sequence_length": int, "dtype": "fp32" | "bf16", "num_prompts": int, "num_truncated": int,
+     "shard_size": int, "embedding_keys": [str, ...], "shapes": {key: row shape}, "tensor_dtypes": {key: "F32"...},
+     "negative": {"prompt": str, "file": "negative.safetensors"} | null, "prompt_file": str,
      "shards": [{"file": "shard-00000.safetensors", "first_id": 0, "num_prompts": n}, ...],
      "prompts": [{"id": 0, "prompt": str, "truncated": bool}, ...]}      # ids in prompt-file order
 
+Version 1 (FLUX.1 only, before model families) is still read: its keys are FLUX.1's and its row shapes are
+``prompt_embeds_shape`` / ``pooled_prompt_embeds_shape``.
+
 The reader refuses a shard name that leaves OUT (absolute, ``..``, a symlink out) and checks every shard's header
-against the manifest (complete file, rows, tokens, dtype, encoders) before any tensor is read.
+against the manifest (complete file, rows, row shapes, dtypes, encoders) before any tensor is read.
 """
 from __future__ import annotations
 
@@ -40,7 +47,12 @@ import torch
 
 from fastvideo.weights import resolve_inside
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+FLUX1_KEYS = ("prompt_embeds", "pooled_prompt_embeds")  # the keys of a version-1 store
+NEGATIVE_FILE = "negative.safetensors"
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                       torch.int32: "I32", torch.bool: "BOOL"}
 MANIFEST_NAME = "manifest.json"
 DEFAULT_SHARD_SIZE = 64
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -137,6 +149,9 @@ class StoreSpec:
     max_sequence_length: int
     dtype: str = "fp32"
     shard_size: int = DEFAULT_SHARD_SIZE
+    embedding_keys: tuple[str, ...] = FLUX1_KEYS  # the family's per-prompt tensors, in file order
+    model_family: str = "flux1"  # the family's --model_family name (informational; encoders_fingerprint decides)
+    negative_prompt: str | None = None  # also store this prompt's embeddings (--cfg_scale's unconditional branch)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -234,18 +249,29 @@ class EmbeddingWriter:
         """The prompt texts of one shard, in id order."""
         return self.prompts[shard.first_id:shard.first_id + shard.num_prompts]
 
-    def write_shard(self, shard: ShardSpec, prompt_embeds: torch.Tensor, pooled_prompt_embeds: torch.Tensor,
-                    truncated: list[bool]) -> Path:
-        """Write one shard: prompt_embeds (n, T, D), pooled (n, Dp), in the store dtype; atomic."""
+    def _tensors(self, tensors: dict[str, torch.Tensor], rows: int, where: str) -> dict[str, torch.Tensor]:
+        """``tensors`` checked against the store's keys and ``rows``, floating ones cast to the store dtype, on the
+        CPU and contiguous (masks keep their integer dtype)."""
+        if set(tensors) != set(self.spec.embedding_keys):
+            raise ValueError(f"{where} expects the tensors {list(self.spec.embedding_keys)}, got {sorted(tensors)}: "
+                             "the family's encode_prompts must return one tensor per embedding key")
+        dtype = DTYPES[self.spec.dtype]
+        out = {}
+        for key in self.spec.embedding_keys:
+            t = tensors[key].detach()
+            if t.shape[0] != rows:
+                raise ValueError(f"{where} expects {rows} rows, got {key} {tuple(t.shape)}")
+            out[key] = t.to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+        return out
+
+    def write_shard(self, shard: ShardSpec, tensors: dict[str, torch.Tensor], truncated: list[bool]) -> Path:
+        """Write one shard: one ``(n, ...)`` tensor per embedding key (floating ones in the store dtype); atomic."""
         from safetensors.torch import save_file
 
         n = shard.num_prompts
-        if prompt_embeds.shape[0] != n or pooled_prompt_embeds.shape[0] != n or len(truncated) != n:
-            raise ValueError(f"shard {shard.file} expects {n} rows, got prompt_embeds {tuple(prompt_embeds.shape)}, "
-                             f"pooled {tuple(pooled_prompt_embeds.shape)}, {len(truncated)} truncation flags")
-        dtype = DTYPES[self.spec.dtype]
-        tensors = {"prompt_embeds": prompt_embeds.detach().to("cpu", dtype).contiguous(),
-                   "pooled_prompt_embeds": pooled_prompt_embeds.detach().to("cpu", dtype).contiguous()}
+        if len(truncated) != n:
+            raise ValueError(f"shard {shard.file} expects {n} truncation flags, got {len(truncated)}")
+        tensors = self._tensors(tensors, n, f"shard {shard.file}")
         header = self._expected_header(shard)
         header["model_path"] = self.spec.model_path
         header["truncated_ids"] = json.dumps([i for i, t in zip(shard.ids, truncated) if t])
@@ -253,6 +279,30 @@ class EmbeddingWriter:
         path = self.output_dir / shard.file
         tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
         save_file(tensors, str(tmp), metadata=header)
+        publish_file(tmp, path)
+        return path
+
+    def _negative_header(self) -> dict[str, str]:
+        return {"format_version": str(FORMAT_VERSION), "encoders_fingerprint": self.spec.encoders_fingerprint,
+                "max_sequence_length": str(self.spec.max_sequence_length), "dtype": self.spec.dtype,
+                "negative_prompt": self.spec.negative_prompt or ""}
+
+    def negative_complete(self) -> bool:
+        """True when no negative prompt is asked for, or ``negative.safetensors`` holds exactly this one."""
+        if self.spec.negative_prompt is None:
+            return True
+        header = self._shard_header(self.output_dir / NEGATIVE_FILE)
+        return all(header.get(k) == v for k, v in self._negative_header().items())
+
+    def write_negative(self, tensors: dict[str, torch.Tensor]) -> Path:
+        """Write the negative prompt's embeddings (one row per key) to ``negative.safetensors``; atomic."""
+        from safetensors.torch import save_file
+
+        tensors = self._tensors(tensors, 1, NEGATIVE_FILE)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / NEGATIVE_FILE
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=self._negative_header())
         publish_file(tmp, path)
         return path
 
@@ -264,31 +314,40 @@ class EmbeddingWriter:
         if missing:
             raise RuntimeError(f"shards {missing[:5]} are missing or stale after encoding (internal error)")
         truncated: set[int] = set()
-        embed_shape: list[int] = []
-        pooled_shape: list[int] = []
+        shapes: dict[str, list[int]] = {}
+        tensor_dtypes: dict[str, str] = {}
         for shard in self.shards:
             with safe_open(str(self.output_dir / shard.file), framework="pt") as fh:
                 truncated.update(json.loads(fh.metadata().get("truncated_ids", "[]")))
-                if not embed_shape:
-                    embed_shape = list(fh.get_slice("prompt_embeds").get_shape()[1:])
-                    pooled_shape = list(fh.get_slice("pooled_prompt_embeds").get_shape()[1:])
+                if not shapes:
+                    for key in self.spec.embedding_keys:
+                        shapes[key] = list(fh.get_slice(key).get_shape()[1:])
+                        tensor_dtypes[key] = fh.get_slice(key).get_dtype()
+        if not self.negative_complete():
+            raise RuntimeError(f"{NEGATIVE_FILE} is missing or stale after encoding (internal error)")
         keep = {s.file for s in self.shards}
         for path in self.output_dir.iterdir():
             stale_shard = _SHARD_RE.match(path.name) and path.name not in keep
-            leftover_tmp = path.name.startswith((".shard-", f".{MANIFEST_NAME}")) and ".tmp." in path.name
-            if stale_shard or leftover_tmp:
+            leftover_tmp = (path.name.startswith((".shard-", f".{MANIFEST_NAME}", f".{NEGATIVE_FILE}"))
+                            and ".tmp." in path.name)
+            stale_negative = path.name == NEGATIVE_FILE and self.spec.negative_prompt is None
+            if stale_shard or leftover_tmp or stale_negative:
                 path.unlink(missing_ok=True)
         manifest = {
             "format_version": FORMAT_VERSION,
             "model_path": self.spec.model_path,
+            "model_family": self.spec.model_family,
             "encoders_fingerprint": self.spec.encoders_fingerprint,
             "max_sequence_length": self.spec.max_sequence_length,
             "dtype": self.spec.dtype,
             "num_prompts": len(self.prompts),
             "num_truncated": len(truncated),
             "shard_size": self.spec.shard_size,
-            "prompt_embeds_shape": embed_shape,
-            "pooled_prompt_embeds_shape": pooled_shape,
+            "embedding_keys": list(self.spec.embedding_keys),
+            "shapes": shapes,
+            "tensor_dtypes": tensor_dtypes,
+            "negative": None if self.spec.negative_prompt is None else {"prompt": self.spec.negative_prompt,
+                                                                        "file": NEGATIVE_FILE},
             "prompt_file": self.prompt_file,
             "shards": [{"file": s.file, "first_id": s.first_id, "num_prompts": s.num_prompts} for s in self.shards],
             "prompts": [{"id": i, "prompt": p, "truncated": i in truncated} for i, p in enumerate(self.prompts)],
@@ -299,10 +358,12 @@ class EmbeddingWriter:
 
 def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathLike, output_dir: str | os.PathLike,
                       *, max_sequence_length: int = 512, dtype: str = "fp32",
-                      shard_size: int = DEFAULT_SHARD_SIZE, model_family: str = "auto") -> EmbeddingWriter:
+                      shard_size: int = DEFAULT_SHARD_SIZE, model_family: str = "auto",
+                      negative_prompt: str | None = None) -> EmbeddingWriter:
     """The writer of ``prompt_file``'s embeddings under ``output_dir``, checked before any encoder loads: the prompt
     file reads, the model folder has the family's text encoders (``--model_family``) with complete weight files, and
-    an existing store there was made the same way (its finished shards are kept)."""
+    an existing store there was made the same way (its finished shards are kept). ``negative_prompt``: also store
+    that prompt's embeddings (the unconditional branch of --cfg_scale > 1)."""
     from fastvideo import models
     from fastvideo.weights import check_weight_files
 
@@ -312,8 +373,14 @@ def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathL
     for component in family.text_components:  # headers only: a corrupt file fails here, not mid-load
         if component.startswith("text_encoder"):
             check_weight_files(model_path / component)
+    limit = family.max_sequence_length_limit()
+    if not 1 <= max_sequence_length <= limit:
+        raise ValueError(f"--max_sequence_length must be in [1, {limit}] (the {family.name} text encoder's limit), "
+                         f"got {max_sequence_length}")
     spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=family.encoders_fingerprint(model_path),
-                     max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size)
+                     max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size,
+                     embedding_keys=tuple(family.embedding_keys), model_family=family.name or repr(family),
+                     negative_prompt=negative_prompt)
     writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()),
                              family=family)
     writer.check_existing()
@@ -330,19 +397,25 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
     rank, world_size = distributed.get_rank(), distributed.get_world_size()
     mine = writer.shards_for_rank(rank, world_size)
     todo = [s for s in mine if not writer.is_complete(s)]
-    if todo:
+    negative = rank == 0 and not writer.negative_complete()  # one row: rank 0 encodes it
+    if todo or negative:
         encoders = family.load_text_encoders(writer.spec.model_path, dtype=DTYPES[writer.spec.dtype], device=device)
+        msl = writer.spec.max_sequence_length
         for shard in todo:
             texts = writer.prompts_of(shard)
-            embeds, pooled, truncated = [], [], []
+            parts: dict[str, list[torch.Tensor]] = {k: [] for k in writer.spec.embedding_keys}
+            truncated: list[bool] = []
             for i in range(0, len(texts), batch_size):
                 with torch.no_grad():
-                    cond, t = family.encode_prompts(encoders, texts[i:i + batch_size],
-                                                    max_sequence_length=writer.spec.max_sequence_length)
-                embeds.append(cond["prompt_embeds"].cpu())  # (b, T, D)
-                pooled.append(cond["pooled_prompt_embeds"].cpu())  # (b, Dp)
+                    cond, t = family.encode_prompts(encoders, texts[i:i + batch_size], max_sequence_length=msl)
+                for key in parts:
+                    parts[key].append(cond[key].cpu())
                 truncated.extend(bool(x) for x in t)
-            writer.write_shard(shard, torch.cat(embeds), torch.cat(pooled), truncated)
+            writer.write_shard(shard, {k: torch.cat(v) for k, v in parts.items()}, truncated)
+        if negative:
+            with torch.no_grad():
+                cond, _ = family.encode_prompts(encoders, [writer.spec.negative_prompt], max_sequence_length=msl)
+            writer.write_negative({k: v.cpu() for k, v in cond.items()})
         del encoders  # T5-XXL is 4.7B parameters: give its memory back before the caller loads the transformer
         devices.empty_cache(device)
     counts = distributed.all_gather_object((len(todo), len(mine) - len(todo)))
@@ -363,7 +436,8 @@ def is_manifest(path: str | os.PathLike) -> bool:
 class EmbeddingDataset:
     """Prompt embeddings written by preprocess_embeddings.py, read lazily from memory-mapped shards.
 
-    ``ds[i]`` -> {"prompt_id", "prompt", "prompt_embeds" (T, D), "pooled_prompt_embeds" (Dp,)};
+    ``ds[i]`` -> {"prompt_id", "prompt", and one row per embedding key (FLUX.1: "prompt_embeds" (T, D),
+    "pooled_prompt_embeds" (Dp,))};
     ``get_batch(ids)`` stacks rows (ids may repeat). Shards are opened on first use and only the
     requested rows are read. Picklable (open handles are dropped), so DataLoader workers work.
     """
@@ -383,9 +457,17 @@ class EmbeddingDataset:
             raise ValueError(f"{path} is not valid JSON ({err}); re-run preprocess_embeddings.py into a new "
                              "--output_dir") from None
         version = self.manifest.get("format_version") if isinstance(self.manifest, dict) else None
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{path} has format_version {version!r} but this code reads version {FORMAT_VERSION}; "
-                             "re-run preprocess_embeddings.py into a new --output_dir with this version of the code")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"{path} has format_version {version!r} but this code reads versions "
+                             f"{list(READABLE_VERSIONS)}; re-run preprocess_embeddings.py into a new --output_dir "
+                             "with this version of the code")
+        m = self.manifest
+        self.embedding_keys: tuple[str, ...] = tuple(m.get("embedding_keys") or FLUX1_KEYS)
+        self.shapes: dict[str, list[int]] = m.get("shapes") or {k: m.get(f"{k}_shape") for k in FLUX1_KEYS
+                                                                 if m.get(f"{k}_shape")}
+        self.model_family: str = m.get("model_family", "flux1")
+        self.family: Any = None  # the model family whose ``collate`` shapes a batch (``use``)
+        self.with_negative = False  # whether ``get_batch`` adds the negative prompt's rows (``use``)
         self.prompts: list[str] = [p["prompt"] for p in self.manifest["prompts"]]
         if len(self.prompts) != self.manifest["num_prompts"]:
             raise ValueError(f"{path} is inconsistent (num_prompts != len(prompts)); re-run preprocess_embeddings.py")
@@ -424,17 +506,16 @@ class EmbeddingDataset:
         expected: dict[str, Any] = {"encoders_fingerprint": m.get("encoders_fingerprint"),
                                     "max_sequence_length": m["max_sequence_length"], "dtype": m["dtype"],
                                     "first_id": shard["first_id"], "num_prompts": n}
-        tensors = {name: header.get(name) or {} for name in ("prompt_embeds", "pooled_prompt_embeds")}
-        found["prompt_embeds rows, tokens"] = tensors["prompt_embeds"].get("shape", [None, None])[:2]
-        expected["prompt_embeds rows, tokens"] = [n, m["max_sequence_length"]]
-        found["pooled_prompt_embeds rows"] = tensors["pooled_prompt_embeds"].get("shape", [None])[:1]
-        expected["pooled_prompt_embeds rows"] = [n]
-        for name in ("prompt_embeds", "pooled_prompt_embeds"):
-            if m.get(f"{name}_shape"):
-                found[f"{name} row shape"] = tensors[name].get("shape", [None])[1:]
-                expected[f"{name} row shape"] = m[f"{name}_shape"]
-            found[f"{name} dtype"] = tensors[name].get("dtype")
-            expected[f"{name} dtype"] = {"fp32": "F32", "bf16": "BF16"}.get(m["dtype"], m["dtype"])
+        store_dtype = {"fp32": "F32", "bf16": "BF16"}.get(m["dtype"], m["dtype"])
+        for name in self.embedding_keys:
+            tensor = header.get(name) or {}
+            found[f"{name} rows"] = tensor.get("shape", [None])[:1]
+            expected[f"{name} rows"] = [n]
+            if name in self.shapes:
+                found[f"{name} row shape"] = tensor.get("shape", [None])[1:]
+                expected[f"{name} row shape"] = self.shapes[name]
+            found[f"{name} dtype"] = tensor.get("dtype")
+            expected[f"{name} dtype"] = (m.get("tensor_dtypes") or {}).get(name, store_dtype)
         differ = [f"{key} {found[key]} (manifest: {expected[key]})" for key in found
                   if str(found[key]) != str(expected[key])]
         if differ:
@@ -459,6 +540,12 @@ class EmbeddingDataset:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.manifest["dtype"]]
 
+    @property
+    def negative_prompt(self) -> str | None:
+        """The negative prompt stored beside the prompts (``--negative_prompt``), None when there is none."""
+        negative = self.manifest.get("negative")
+        return negative["prompt"] if negative else None
+
     def _handle(self, file: str):
         handle = self._handles.get(file)
         if handle is None:
@@ -474,32 +561,65 @@ class EmbeddingDataset:
             raise IndexError(f"prompt id {prompt_id} out of range [0, {len(self.prompts)})")
         return i
 
-    def _rows(self, prompt_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, prompt_id: int) -> dict[str, torch.Tensor]:
         file, row = self._shard_of[prompt_id]
         handle = self._handle(file)
-        embeds = handle.get_slice("prompt_embeds")[row:row + 1]  # (1, T, D)
-        pooled = handle.get_slice("pooled_prompt_embeds")[row:row + 1]  # (1, Dp)
-        return embeds, pooled
+        return {key: handle.get_slice(key)[row:row + 1] for key in self.embedding_keys}  # (1, ...) each
 
     def __getitem__(self, prompt_id: int) -> dict[str, Any]:
         i = self._check_id(prompt_id)
-        embeds, pooled = self._rows(i)
-        return {"prompt_id": i, "prompt": self.prompts[i], "prompt_embeds": embeds[0],
-                "pooled_prompt_embeds": pooled[0]}
+        return {"prompt_id": i, "prompt": self.prompts[i], **{k: v[0] for k, v in self._rows(i).items()}}
+
+    def use(self, family: Any, negative: bool = False) -> "EmbeddingDataset":
+        """Shape ``get_batch`` for ``family`` (its ``collate``) and, with ``negative`` (--cfg_scale > 1), add the
+        negative prompt's rows under ``negative_<key>``; ValueError naming the fix when the store has none."""
+        if negative and not self.manifest.get("negative"):
+            raise ValueError(f"--cfg_scale > 1 needs the negative prompt's embeddings, which {self.root} does not "
+                             "hold: re-run preprocess_embeddings.py with --negative_prompt \"\" (or the family's "
+                             "negative prompt) into the same --output_dir (finished shards are kept)")
+        if negative:
+            negative_file = resolve_inside(self.root, self.manifest["negative"]["file"], str(self.manifest_path))
+            if not negative_file.is_file():
+                raise FileNotFoundError(f"{negative_file} listed in {self.manifest_path} is missing; re-run "
+                                        "preprocess_embeddings.py with --negative_prompt into the same --output_dir")
+        self.family, self.with_negative = family, bool(negative)
+        return self
+
+    def negative_rows(self) -> dict[str, torch.Tensor]:
+        """The negative prompt's embeddings, ``(1, ...)`` per key (``negative.safetensors``)."""
+        from safetensors.torch import load_file
+
+        info = self.manifest.get("negative")
+        if not info:
+            raise ValueError(f"{self.root} holds no negative prompt; re-run preprocess_embeddings.py with "
+                             "--negative_prompt")
+        return load_file(str(resolve_inside(self.root, info["file"], str(self.manifest_path))))
 
     def get_batch(self, prompt_ids: list[int]) -> dict[str, Any]:
-        """Rows for ``prompt_ids`` (repeats allowed): prompt_embeds (B, T, D), pooled (B, Dp)."""
+        """Rows for ``prompt_ids`` (repeats allowed): one ``(B, ...)`` tensor per embedding key (FLUX.1:
+        prompt_embeds (B, T, D), pooled_prompt_embeds (B, Dp)), plus ``negative_<key>`` rows after ``use(family,
+        negative=True)``; the family's ``collate`` trims both together (one text length)."""
         ids = [self._check_id(i) for i in prompt_ids]
         if not ids:
             raise ValueError("get_batch needs at least one prompt id")
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        cache: dict[int, dict[str, torch.Tensor]] = {}
         for i in ids:
             if i not in cache:
                 cache[i] = self._rows(i)
-        return {"prompt_ids": torch.tensor(ids, dtype=torch.long),
-                "prompts": [self.prompts[i] for i in ids],
-                "prompt_embeds": torch.cat([cache[i][0] for i in ids]),  # (B, T, D)
-                "pooled_prompt_embeds": torch.cat([cache[i][1] for i in ids])}  # (B, Dp)
+        cond = {k: torch.cat([cache[i][k] for i in ids]) for k in self.embedding_keys}  # (B, ...) each
+        if self.with_negative:
+            negative = self.negative_rows()
+            cond.update({f"negative_{k}": negative[k].expand(len(ids), *negative[k].shape[1:]).clone()
+                         for k in self.embedding_keys})
+        if self.family is not None:
+            n = len(ids)
+            joined = self.family.collate({k: torch.cat([cond[k], cond[f"negative_{k}"]]) if self.with_negative
+                                          else cond[k] for k in self.embedding_keys})
+            cond = {k: v[:n] for k, v in joined.items()}
+            if self.with_negative:
+                cond.update({f"negative_{k}": v[n:] for k, v in joined.items()})
+        return {"prompt_ids": torch.tensor(ids, dtype=torch.long), "prompts": [self.prompts[i] for i in ids],
+                **cond}
 
     def check_encoders(self, model_path: str | os.PathLike, model_family: str = "auto") -> None:
         """Raise ValueError if these embeddings were made with other text encoders than ``model_path``'s."""

@@ -39,16 +39,18 @@ def check_prompts_path(flag: str, path: str | os.PathLike | None) -> None:
 
 
 def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, work_dir: str | os.PathLike, *,
-                    max_sequence_length: int, dtype: str, device: torch.device, model_family: str = "auto") -> Path:
+                    max_sequence_length: int, dtype: str, device: torch.device, model_family: str = "auto",
+                    negative_prompt: str | None = None) -> Path:
     """``prompts`` as an embedding manifest: a manifest (or its folder) is used as it is; a prompt file is encoded
     into ``work_dir`` with ``model_path``'s text encoders (loaded, then freed, before any other model; a restart keeps
-    the finished shards). A collective: every rank calls it."""
+    the finished shards; ``negative_prompt``: also encode it, for --cfg_scale > 1). A collective: every rank calls
+    it."""
     from fastvideo.data import MANIFEST_NAME, is_manifest, open_prompt_store, write_prompt_store
 
     if is_manifest(prompts):
         return Path(prompts)
     writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype,
-                               model_family=model_family)
+                               model_family=model_family, negative_prompt=negative_prompt)
     write_prompt_store(writer, device=device)
     return Path(work_dir) / MANIFEST_NAME
 
@@ -132,14 +134,15 @@ def eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------ sample.py outputs
 def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int,
-               decode_batch_size: int = 0) -> Any:
-    """The ``rollout.RolloutConfig`` of FluxPipeline-style sampling: Euler ODE, ``steps`` steps, dynamic shift unless
-    ``shift``, distilled ``guidance``; ``batch_size`` images per transformer call, ``decode_batch_size`` latents per
-    VAE call (0 = ``batch_size``)."""
+               decode_batch_size: int = 0, cfg_scale: float = 1.0) -> Any:
+    """The ``rollout.RolloutConfig`` of the stock pipeline's sampling: Euler ODE, ``steps`` steps, the family's sigma
+    schedule unless ``shift``, distilled ``guidance``, true CFG ``cfg_scale``; ``batch_size`` images per transformer
+    call, ``decode_batch_size`` latents per VAE call (0 = ``batch_size``)."""
     from fastvideo.rollout import RolloutConfig
 
     return RolloutConfig(height=height, width=width, sampling_steps=steps, sde_type="flow_sde", eta=0.0, shift=shift,
-                         guidance=guidance, batch_size=batch_size, decode_batch_size=decode_batch_size)
+                         guidance=guidance, batch_size=batch_size, decode_batch_size=decode_batch_size,
+                         cfg_scale=cfg_scale)
 
 
 def read_sample_dir(path: str | os.PathLike) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import json
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -122,13 +121,6 @@ def phase(name: str | None) -> Iterator[None]:
         _PHASE.reset(token)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_flops(config_json: str, image_tokens: int, text_tokens: int, batch: int, backward: bool,
-                  weight_grads: bool) -> int:
-    return transformer_flops(json.loads(config_json), image_tokens, text_tokens, batch, backward=backward,
-                             weight_grads=weight_grads)
-
-
 class FlopMeter:
     """Model FLOPs of this rank, per phase: a forward pre-hook on each attached transformer adds its forward's FLOPs
     (``transformer_flops`` of the input shapes, cached per shape; a forward under grad also counts its backward,
@@ -140,27 +132,30 @@ class FlopMeter:
         self._handles: list[Any] = []
 
     def attach(self, model: Any) -> None:
-        """Count ``model``'s forwards (a FluxTransformer2DModel, bare or wrapped: hooked on the inner module)."""
+        """Count ``model``'s forwards (a transformer of any model family, bare or wrapped: hooked on the inner module;
+        its family's ``forward_tokens`` reads the shapes and ``transformer_flops`` counts them)."""
+        from fastvideo import models
         from fastvideo.models.base import model_config, unwrap_model
 
+        family = models.family_of(model)
         config = dict(model_config(model))
-        key = json.dumps({k: config.get(k) for k in ("num_attention_heads", "attention_head_dim", "num_layers",
-                                                      "num_single_layers", "in_channels", "out_channels",
-                                                      "patch_size", "joint_attention_dim", "pooled_projection_dim",
-                                                      "guidance_embeds")}, sort_keys=True)
         inner = unwrap_model(model)
         # LoRA (frozen base weights): the backward computes input gradients only
         weight_grads = any(p.requires_grad for n, p in inner.named_parameters() if "lora_" not in n)
+
+        @functools.lru_cache(maxsize=256)
+        def flops_of(batch: int, image_tokens: int, text_tokens: int, backward: bool) -> int:
+            return family.transformer_flops(config, image_tokens, text_tokens, batch, backward=backward,
+                                            weight_grads=weight_grads)
 
         def hook(module, args, kwargs):
             name = _PHASE.get()
             if name is None:
                 return
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            text = kwargs.get("encoder_hidden_states")
-            if x is None or text is None:
+            tokens = family.forward_tokens(args, kwargs)
+            if tokens is None:
                 return
-            flops = _cached_flops(key, x.shape[1], text.shape[1], x.shape[0], torch.is_grad_enabled(), weight_grads)
+            flops = flops_of(*(int(t) for t in tokens), torch.is_grad_enabled())
             self.totals[name] = self.totals.get(name, 0.0) + flops / self.sp_size
 
         self._handles.append(inner.register_forward_pre_hook(hook, with_kwargs=True))

@@ -170,54 +170,50 @@ def _meta_measurement() -> Iterator[_LiveBytes]:
         F.scaled_dot_product_attention = original
 
 
-# the block counts traced when a transformer is deep enough to extrapolate: (double, single)
-_TRACED_DEPTHS = ((2, 2), (3, 2), (2, 3))
-
-
 def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                                  dtype: torch.dtype, *, train: bool) -> int:
-    """Peak bytes of live activations for one forward (and backward when ``train``) of a meta-device FLUX
-    transformer on ``batch`` samples. Parameter gradients are dropped as soon as they are accumulated (FSDP
-    reduce-scatters them per unit; that unit's gradient is planned separately).
+    """Peak bytes of live activations for one forward (and backward when ``train``) of a meta-device transformer
+    (any model family: its ``example_inputs`` and ``block_lists``) on ``batch`` samples. Parameter gradients are
+    dropped as soon as they are accumulated (FSDP reduce-scatters them per unit; that unit's gradient is planned
+    separately).
 
-    Every block of a kind holds the same activations, so the peak is linear in the two block counts (no grad: flat;
+    Every block of a list holds the same activations, so the peak is linear in the block counts (no grad: flat;
     training: each block's saved tensors, or its checkpointed inputs, plus one block's backward): a deep model is
-    traced with 2+2, 3+2 and 2+3 blocks and extrapolated, which equals the full trace (``tests/test_memory.py``)
-    at a tenth of its time for FLUX.1-dev's 19+38 blocks (the tracer costs ~0.2 ms per op)."""
-    double, single = model.transformer_blocks, model.single_transformer_blocks
-    if len(double) <= 3 or len(single) <= 3:
+    traced with 2 blocks per list, then with one more in each list in turn, and extrapolated, which equals the full
+    trace (``tests/test_memory.py``) at a tenth of its time for FLUX.1-dev's 19+38 blocks (the tracer costs ~0.2 ms
+    per op)."""
+    from fastvideo import models
+
+    names = models.family_of(model).block_lists
+    lists = {name: getattr(model, name) for name in names}
+    if any(len(blocks) <= 3 for blocks in lists.values()):
         return _traced_activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
-    peaks = {}
+
+    def traced(extra: str | None) -> int:
+        for name, blocks in lists.items():
+            setattr(model, name, torch.nn.ModuleList(list(blocks)[:3 if name == extra else 2]))
+        return _traced_activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
+
     try:
-        for n_double, n_single in _TRACED_DEPTHS:
-            model.transformer_blocks = torch.nn.ModuleList(list(double)[:n_double])
-            model.single_transformer_blocks = torch.nn.ModuleList(list(single)[:n_single])
-            peaks[n_double, n_single] = _traced_activation_bytes(model, batch, image_tokens, text_tokens, dtype,
-                                                                 train=train)
+        base = traced(None)
+        return base + sum((len(blocks) - 2) * (traced(name) - base) for name, blocks in lists.items())
     finally:
-        model.transformer_blocks, model.single_transformer_blocks = double, single
-    base = peaks[2, 2]
-    return base + (len(double) - 2) * (peaks[3, 2] - base) + (len(single) - 2) * (peaks[2, 3] - base)
+        for name, blocks in lists.items():
+            setattr(model, name, blocks)
 
 
 def _traced_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                              dtype: torch.dtype, *, train: bool) -> int:
     """``transformer_activation_bytes`` by tracing the whole model on the meta device."""
-    config = model.config
+    from fastvideo import models
+
     handles = []
     if train:
         for p in model.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)))
-    meta = torch.device("meta")
-    inputs = dict(
-        hidden_states=torch.empty(batch, image_tokens, config.in_channels, device=meta, dtype=dtype),
-        encoder_hidden_states=torch.empty(batch, text_tokens, config.joint_attention_dim, device=meta, dtype=dtype),
-        pooled_projections=torch.empty(batch, config.pooled_projection_dim, device=meta, dtype=dtype),
-        timestep=torch.empty(batch, device=meta),
-        guidance=torch.empty(batch, device=meta) if config.guidance_embeds else None,
-        img_ids=torch.empty(image_tokens, 3, device=meta), txt_ids=torch.empty(text_tokens, 3, device=meta),
-        return_dict=False)
+    inputs = models.family_of(model).example_inputs(model.config, batch, image_tokens, text_tokens, dtype,
+                                                    torch.device("meta"))
     try:
         with _meta_measurement() as meter, torch.set_grad_enabled(train):
             out = model(**inputs)[0].float()
@@ -230,16 +226,26 @@ def _traced_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: i
             h.remove()
 
 
-def vae_decode_bytes(vae_config: dict, batch: int, latent_h: int, latent_w: int, dtype: torch.dtype) -> int:
-    """Peak bytes of live tensors while decoding ``batch`` latents with the VAE (no grad), on the meta device."""
-    from diffusers import AutoencoderKL
-
+def vae_decode_bytes(vae_config: dict, batch: int, latent_h: int, latent_w: int, dtype: torch.dtype, *,
+                     family: Any = None, geometry: Any = None) -> int:
+    """Peak bytes of live tensors while decoding ``batch`` latents with the VAE (no grad), on the meta device: a
+    FLUX.1 ``AutoencoderKL`` on ``(batch, C, latent_h, latent_w)``, or with ``family`` and ``geometry`` the family's
+    VAE class through its own ``decode`` of packed latents."""
     config = {k: v for k, v in vae_config.items() if not k.startswith("_")}
+    if family is None:
+        from diffusers import AutoencoderKL
+
+        cls = AutoencoderKL
+    else:
+        cls = family.vae_class()
     with torch.device("meta"):
-        vae = _cast_quietly(AutoencoderKL.from_config(config), dtype).eval()
-    z = torch.empty(batch, config["latent_channels"], latent_h, latent_w, device="meta", dtype=dtype)
+        vae = _cast_quietly(cls.from_config(config), dtype).eval()
     with _meta_measurement() as meter, torch.no_grad():
-        image = vae.decode(z, return_dict=False)[0]
+        if family is None:
+            z = torch.empty(batch, config["latent_channels"], latent_h, latent_w, device="meta", dtype=dtype)
+            image = vae.decode(z, return_dict=False)[0]
+        else:
+            image = family.decode(vae, torch.empty(batch, *geometry.packed_shape, device="meta"), geometry)
         del image
     return meter.peak
 
@@ -290,10 +296,12 @@ def auto_decode_batch_size(model_path: str | os.PathLike, height: int, width: in
     from fastvideo import models
 
     config = _vae_config(model_path, model_family)
-    geometry = models.resolve(model_family, model_path).latent_geometry(model_path, height, width)
+    family = models.resolve(model_family, model_path)
+    geometry = family.latent_geometry(model_path, height, width)
 
     def peak(batch: int) -> int:
-        return vae_decode_bytes(config, batch, geometry.latent_h, geometry.latent_w, dtype)
+        return vae_decode_bytes(config, batch, geometry.latent_h, geometry.latent_w, dtype, family=family,
+                                geometry=geometry)
 
     batch = max(1, min(max_batch, budget // max(peak(1), 1)))
     while batch > 1 and peak(batch) > budget:
@@ -347,14 +355,18 @@ def check_plan_fits(plan: MemoryPlan, device_type: str, device_memory_bytes: int
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-def _text_tokens(args: argparse.Namespace) -> int:
-    """T5 tokens per prompt: the embeddings' ``max_sequence_length``, or FLUX's 512 when there are none yet."""
+def _text_tokens(args: argparse.Namespace, family: Any) -> int:
+    """Text tokens per prompt the transformer sees: from the embeddings' ``max_sequence_length``, or the family's
+    default when there are none yet (FLUX.1: 512 T5 tokens; SD3: 77 CLIP + T5)."""
     from fastvideo.data import EmbeddingDataset
 
+    length = family.defaults.max_sequence_length
     try:
-        return EmbeddingDataset(args.data_json_path).max_sequence_length if args.data_json_path else 512
+        if args.data_json_path:
+            length = EmbeddingDataset(args.data_json_path).max_sequence_length
     except FileNotFoundError:  # a plan may be made before preprocessing
-        return 512
+        pass
+    return family.text_tokens(length)
 
 
 def _shard_size(strategy: str, world: int) -> int:
@@ -370,7 +382,7 @@ def plan_grpo(args: argparse.Namespace, counts: dict[str, int], world_size: int,
     """The memory plan of ``train_grpo_flux.py`` with these (validated) flags on ``world_size`` ranks."""
     return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
                  snapshot=False, samples=counts["samples_per_rank"], scored=True,
-                 compare_checkpointing=compare_checkpointing)
+                 compare_checkpointing=compare_checkpointing, guided_update=True)
 
 
 def plan_dpo(args: argparse.Namespace, counts: dict[str, int], world_size: int, device_type: str,
@@ -399,13 +411,15 @@ def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, 
 
 def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_images: int, reference: bool,
           snapshot: bool, samples: int, scored: bool, gathered_latents: int = 0, old_policy: bool = False,
-          compare_checkpointing: bool = True) -> MemoryPlan:
+          compare_checkpointing: bool = True, guided_update: bool = False) -> MemoryPlan:
     """The plan of a trainer whose update runs ``micro_images`` images per forward/backward (+ a no-grad reference
     forward if ``reference``; ``snapshot``: the reference is a swapped-in fp32 copy of the trained weights; with
     ``old_policy`` a no-grad old-policy forward and its fp32 weights), whose rollout samples ``samples`` images per
     rank, scored by --reward if ``scored``. --gradient_checkpointing and --decode_batch_size are planned as the run
     resolves them on ``device_type``; ``compare_checkpointing`` also traces the training activations with the other
-    checkpointing choice (a "not used" line; the start-up gate skips it, a second each at FLUX.1-dev's widths)."""
+    checkpointing choice (a "not used" line; the start-up gate skips it, a second each at FLUX.1-dev's widths).
+    With --cfg_scale > 1 every rollout forward runs 2x rows (prompt + negative), and the update's too when
+    ``guided_update`` (GRPO replays the guided step; DPO's and NFT's losses are unguided)."""
     from fastvideo import lora, models
     from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
     from fastvideo.training import compute_dtype
@@ -432,9 +446,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(getattr(args, "gradient_sync", "auto"), is_lora)
     geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-    L, T, B, C = geometry.seq_len, _text_tokens(args), samples, geometry.packed_channels
+    L, T, B, C = geometry.seq_len, _text_tokens(args, family), samples, geometry.packed_channels
     S = args.sampling_steps
     joint = model.config.joint_attention_dim
+    pooled = getattr(model.config, "pooled_projection_dim", None) or 0
+    guided = 2 if getattr(args, "cfg_scale", 1.0) > 1 else 1  # true CFG: one forward of cond + uncond rows
     sp = getattr(args, "sp_size", 1)
     Ls, Ts = L // sp, -(-T // sp)  # tokens per rank in the transformer: Ulysses splits both sequences (text padded)
     items: list[PlanItem] = []
@@ -482,7 +498,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
 
     # activations, measured on the meta device in the compute dtype
     sim = model if cdt == torch.float32 else _cast_quietly(model, cdt)
-    micro = micro_images
+    micro = micro_images * (guided if guided_update else 1)
     used = resolve_gradient_checkpointing(args.gradient_checkpointing, args.lora_rank, device_type)
     act = {}
     for ckpt in (used, not used) if compare_checkpointing else (used,):  # both: what --gradient_checkpointing changes
@@ -502,8 +518,8 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
             items.append(PlanItem("v_old (fp32) kept through the trained forward", 4 * micro * L * C, phase="train",
                                   note="micro-batch x L x C"))
     rb = min(args.rollout_batch_size, B)
-    items.append(PlanItem(f"rollout forward (no grad), batch of {rb}",
-                          transformer_activation_bytes(sim, rb, Ls, Ts, cdt, train=False), phase="rollout"))
+    items.append(PlanItem(f"rollout forward (no grad), batch of {rb}" + (" x 2 (CFG)" if guided > 1 else ""),
+                          transformer_activation_bytes(sim, guided * rb, Ls, Ts, cdt, train=False), phase="rollout"))
     del sim, model
 
     # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
@@ -519,20 +535,19 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     if gathered_latents:
         items.append(PlanItem("clean latents of the step, gathered (fp32)", 0.0, 4 * gathered_latents * L * C,
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
-    items.append(PlanItem("text embeddings of this rank's samples (fp32)", 4 * B * (T * joint + 768), 0.0,
-                          "persistent"))
+    items.append(PlanItem("text embeddings of this rank's samples (fp32)" + (" + negative rows" if guided > 1 else ""),
+                          4 * guided * B * (T * joint + pooled), 0.0, "persistent"))
     vae_config = _vae_config(args.pretrained_model_name_or_path, models.spec_of(args))
-    from diffusers import AutoencoderKL
-
     with torch.device("meta"):
-        vae_params = _param_count(AutoencoderKL.from_config(
+        vae_params = _param_count(family.vae_class().from_config(
             {k: v for k, v in vae_config.items() if not k.startswith("_")}))
     short = "bf16" if cdt == torch.bfloat16 else "fp32"  # the VAE is loaded and decodes in the compute dtype
     items.append(PlanItem(f"VAE ({short}, frozen)", c * vae_params, phase="persistent",
                           note=f"{vae_params / 1e6:.1f}M params"))
     db = min(resolve_decode_batch_size(args, device_type) or rb, rb)  # 0 = the rollout micro-batch (CPU auto)
     items.append(PlanItem(f"VAE decode, batch of {db}", vae_decode_bytes(vae_config, db, geometry.latent_h,
-                                                                        geometry.latent_w, cdt),
+                                                                        geometry.latent_w, cdt, family=family,
+                                                                        geometry=geometry),
                           phase="decode", note=f"{short}, no grad"))
     from fastvideo.rewards import parse_reward_spec
 

@@ -49,6 +49,7 @@ class RolloutConfig:
     eta: float = 0.9  # 0 = deterministic ODE sampling (no log-probs)
     shift: float | None = None  # None = FLUX dynamic shift (as FluxPipeline); a float = static shift
     guidance: float | None = 3.5  # FLUX.1-dev distilled guidance; ignored by models without it
+    cfg_scale: float = 1.0  # true classifier-free guidance (1 = off): needs the batch's negative_<key> rows
     sde_window_size: int = 0  # 0 = every step stochastic
     sde_window_range: tuple[int, int] | None = None  # window in steps [lo, hi); default (0, S-1): not the last step
     init_same_noise: bool = False
@@ -71,6 +72,8 @@ class RolloutConfig:
             raise ValueError(f"eta must be >= 0 (0 = ODE sampling), got {self.eta}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
+        if self.cfg_scale < 1:
+            raise ValueError(f"cfg_scale must be >= 1 (1 = no classifier-free guidance), got {self.cfg_scale}")
         if self.decode_batch_size < 0:
             raise ValueError(f"decode_batch_size must be >= 0 (0 = the rollout micro-batch), "
                              f"got {self.decode_batch_size}")
@@ -175,6 +178,44 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
     return (steps >= starts) & (steps < starts + cfg.sde_window_size)
 
 
+def rollout_sigmas(family: Any, cfg: RolloutConfig, image_seq_len: int) -> torch.Tensor:
+    """The (S+1,) float32 CPU sigma grid of a rollout: DanceGRPO's static grid with --shift, else the family's stock
+    pipeline schedule (FLUX.1: the resolution-dependent dynamic shift)."""
+    if cfg.shift is not None:
+        return get_sigmas(cfg.sampling_steps, shift=cfg.shift)
+    return family.sigmas(cfg.sampling_steps, image_seq_len)
+
+
+def batch_cond(family: Any, batch: dict, cfg_scale: float) -> dict[str, torch.Tensor]:
+    """The embeddings a velocity call takes from ``batch``: the family's ``embedding_keys`` and, with
+    ``cfg_scale > 1``, the ``negative_<key>`` rows (``EmbeddingDataset.use(family, negative=True)``)."""
+    keys = list(family.embedding_keys)
+    if cfg_scale > 1:
+        missing = [k for k in keys if f"negative_{k}" not in batch]
+        if missing:
+            raise ValueError(f"--cfg_scale {cfg_scale} needs the negative prompt's embeddings in the batch (missing "
+                             f"negative_{missing[0]}): preprocess with --negative_prompt and open the dataset with "
+                             "dataset.use(family, negative=True)")
+        keys += [f"negative_{k}" for k in family.embedding_keys]
+    return {k: batch[k] for k in keys}
+
+
+def guided_velocity(family: Any, transformer: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor,
+                    cond: dict[str, torch.Tensor], shared: dict[str, Any], cfg_scale: float = 1.0) -> torch.Tensor:
+    """The velocity (b, L, C) float32 every sampler, replay and loss evaluates: the model's, or with ``cfg_scale > 1``
+    true classifier-free guidance (``family.combine_guidance``) from ONE batched forward of 2b rows (conditional,
+    then the ``negative_<key>`` rows of ``cond``), as Flow-GRPO's SD3 sampler and training forward do. ``sigma``:
+    0-d or (b,) on the device. Call it under the caller's autocast."""
+    keys = family.embedding_keys
+    if cfg_scale == 1:
+        return family.predict_velocity(transformer, x, sigma, {k: cond[k] for k in keys}, shared).float()
+    both = {k: torch.cat([cond[k], cond[f"negative_{k}"]]) for k in keys}
+    sigma2 = sigma if sigma.ndim == 0 else torch.cat([sigma, sigma])
+    v = family.predict_velocity(transformer, torch.cat([x, x]), sigma2, both, shared).float()
+    v_cond, v_uncond = v.chunk(2)
+    return family.combine_guidance(v_cond, v_uncond, cfg_scale)
+
+
 @torch.no_grad()
 @flops.phase("rollout")  # its transformer forwards count as the step's rollout FLOPs
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
@@ -196,7 +237,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         raise ValueError(f"geometry is {geometry.height}x{geometry.width} but cfg asks for {cfg.height}x{cfg.width}; "
                          "build both from the same --h/--w")
     L, C = geometry.seq_len, geometry.packed_channels
-    sigmas = get_sigmas(S, shift=cfg.shift, image_seq_len=L)  # (S+1,) CPU
+    sigmas = rollout_sigmas(family, cfg, L)  # (S+1,) CPU
     sigma_list = sigmas.tolist()  # python floats: the dpm2 bookkeeping and x0_hat, no device values read
 
     init_indices = [0] * B if cfg.init_same_noise else sample_indices
@@ -211,7 +252,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
     # Everything the step loop reads is on the device before it starts (pinned, non-blocking copies): the loop
     # launches kernels only, with no host sync and no blocking copy (DESIGN principle 9).
     sigmas_dev = devices.to_device(sigmas, device)  # (S+1,): sigma and sigma' of step i are sigmas_dev[i], [i+1]
-    cond_all = {k: batch[k] for k in family.embedding_keys}  # (B, ...) each, where the batch lives
+    cond_all = batch_cond(family, batch, cfg.cfg_scale)  # (B, ...) each, where the batch lives
     shared = family.conditioning(geometry, cond_all, cfg.guidance, device)  # position ids, guidance: on the device
     latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device) if keep_latents else None
     log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
@@ -231,8 +272,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         for i in range(S):
             sigma, sigma_next = sigmas_dev[i], sigmas_dev[i + 1]  # 0-d device tensors
             with devices.autocast(device, autocast_dtype):
-                v = family.predict_velocity(transformer, x, sigma, cond, shared)
-            v = v.float()
+                v = guided_velocity(family, transformer, x, sigma, cond, shared, cfg.cfg_scale)
             if cfg.solver == "dpm2":
                 x_next, prev_x0 = dpm2_step(v, x, sigma, sigma_next, prev_x0=prev_x0, sigma_prev=prev_sigma)
                 prev_sigma = sigma
@@ -322,10 +362,10 @@ def replay_log_prob(transformer: torch.nn.Module, traj: Trajectory, idx: torch.T
     sigma, sigma_next = traj.sigmas[jj], traj.sigmas[jj + 1]  # 0-d or (b,), on the device
     family = models.family_of(transformer)
     idx_b = devices.to_device(idx, batch[family.embedding_keys[0]].device)
-    cond = {k: devices.to_device(batch[k][idx_b], dev) for k in family.embedding_keys}
+    cond = {k: devices.to_device(v[idx_b], dev) for k, v in batch_cond(family, batch, cfg.cfg_scale).items()}
     shared = family.conditioning(geometry, cond, cfg.guidance, dev)
     with devices.autocast(dev, autocast_dtype):
-        v = family.predict_velocity(transformer, x, sigma, cond, shared)
+        v = guided_velocity(family, transformer, x, sigma, cond, shared, cfg.cfg_scale)
     _, log_prob, mean, std = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=traj.sde_type, eta=traj.eta,
                                                    prev_sample=x_next, sigma_max=traj.sigma_max)
     return log_prob, mean, std
@@ -378,18 +418,18 @@ def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) ->
 
 
 def model_velocity(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, batch: dict,
-                   geometry: Any, *, guidance: float | None,
-                   autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   geometry: Any, *, guidance: float | None, autocast_dtype: torch.dtype | None = None,
+                   cfg_scale: float = 1.0) -> torch.Tensor:
     """The model's velocity (b, L, C) float32 at latents ``x_t`` (b, L, C) and per-sample ``sigma`` (b,); ``batch``
-    holds the b rows' embeddings (the family's ``embedding_keys``) on the model's device."""
+    holds the b rows' embeddings (the family's ``embedding_keys``, and ``negative_<key>`` with ``cfg_scale > 1``:
+    the guided velocity, ``guided_velocity``) on the model's device."""
     dev = x_t.device
     family = models.family_of(transformer)
-    cond = {k: batch[k] for k in family.embedding_keys}
+    cond = batch_cond(family, batch, cfg_scale)
     shared = family.conditioning(geometry, cond, guidance, dev)
     sigma = devices.to_device(sigma, dev).to(torch.float32).view(-1)
     with devices.autocast(dev, autocast_dtype):
-        v = family.predict_velocity(transformer, x_t, sigma, cond, shared)
-    return v.float()
+        return guided_velocity(family, transformer, x_t, sigma, cond, shared, cfg_scale)
 
 
 def nft_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_indices: list[int],

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 # sample.py flag <- the trainer flag it is taken from (the same name unless listed)
 _SAMPLE_FROM_RUN = {"h": "h", "w": "w", "num_inference_steps": "sampling_steps", "shift": "shift",
-                    "guidance_scale": "guidance_scale", "noise_device": "noise_device", "device": "device",
+                    "guidance_scale": "guidance_scale", "cfg_scale": "cfg_scale", "noise_device": "noise_device", "device": "device",
                     "mixed_precision": "mixed_precision", "model_family": "model_family"}
 
 

@@ -504,7 +504,7 @@ def rollout_config(args: argparse.Namespace) -> Any:
 
     return RolloutConfig(height=args.h, width=args.w, sampling_steps=args.sampling_steps, sde_type=args.sde_type,
                          eta=args.eta, shift=args.shift, guidance=args.guidance_scale,
-                         sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
+                         cfg_scale=getattr(args, "cfg_scale", 1.0), sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
                          init_same_noise=args.init_same_noise, decode_x0=args.decode_x0,
                          batch_size=args.rollout_batch_size, decode_batch_size=args.decode_batch_size,
                          last_step=args.last_step,
@@ -566,8 +566,10 @@ class Run:
         from fastvideo.rewards import check_reward_prompts
 
         args = self.args
-        geometry = models.family_for(args).latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
-        dataset = EmbeddingDataset(args.data_json_path)
+        family = models.family_for(args)
+        geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+        guided = getattr(args, "cfg_scale", 1.0) > 1
+        dataset = EmbeddingDataset(args.data_json_path).use(family, negative=guided)
         dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
         if args.eval_prompts is not None:
@@ -577,8 +579,9 @@ class Run:
             manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
                                        self.out / "eval_embeddings", max_sequence_length=dataset.max_sequence_length,
                                        dtype=dataset.manifest["dtype"], device=self.device,
-                                       model_family=models.spec_of(args))
-            self.eval_dataset = EmbeddingDataset(manifest)
+                                       model_family=models.spec_of(args),
+                                       negative_prompt=dataset.negative_prompt if guided else None)
+            self.eval_dataset = EmbeddingDataset(manifest).use(family, negative=guided)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
             check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:

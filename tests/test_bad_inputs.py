@@ -31,7 +31,8 @@ def _store(out: Path, fingerprint: str = "fp-test", msl: int = 8, prompts: int =
     writer = EmbeddingWriter(out, [f"prompt {i}" for i in range(prompts)], StoreSpec("/m", fingerprint, msl, "fp32", 2))
     for shard in writer.shards:
         n = shard.num_prompts
-        writer.write_shard(shard, torch.randn(n, msl, 4), torch.randn(n, 3), [False] * n)
+        writer.write_shard(shard, {"prompt_embeds": torch.randn(n, msl, 4), "pooled_prompt_embeds": torch.randn(n, 3)},
+                           [False] * n)
     writer.finalize()
     return out / "manifest.json"
 
@@ -121,7 +122,8 @@ def test_missing_or_truncated_shards(tmp_path):
         EmbeddingDataset(manifest)
     # a complete file with fewer rows than the manifest records for it
     writer = EmbeddingWriter(tmp_path / "short", ["a"], StoreSpec("/m", "fp-test", 8, "fp32", 2))
-    writer.write_shard(writer.shards[0], torch.randn(1, 8, 4), torch.randn(1, 3), [False])
+    writer.write_shard(writer.shards[0], {"prompt_embeds": torch.randn(1, 8, 4),
+                                          "pooled_prompt_embeds": torch.randn(1, 3)}, [False])
     shutil.copy(tmp_path / "short" / "shard-00000.safetensors", shard)
     with pytest.raises(ValueError, match="shard-00001.*not the shard .* records.*num_prompts 1 .manifest: 2"):
         EmbeddingDataset(manifest)

@@ -23,7 +23,8 @@ def _write_store(out, prompts, shard_size=3, dtype="fp32", fingerprint="fp-a", m
     writer.check_existing()
     for shard in writer.shards:
         ids = list(shard.ids)
-        writer.write_shard(shard, embeds[ids], pooled[ids], [i % 4 == 1 for i in ids])
+        writer.write_shard(shard, {"prompt_embeds": embeds[ids], "pooled_prompt_embeds": pooled[ids]},
+                           [i % 4 == 1 for i in ids])
     writer.finalize()
     return writer, embeds, pooled
 
@@ -63,7 +64,8 @@ def test_store_roundtrip_and_manifest(tmp_path):
     _, embeds, pooled = _write_store(tmp_path / "out", prompts)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["format_version"] == data.FORMAT_VERSION and manifest["num_prompts"] == 7
-    assert manifest["prompt_embeds_shape"] == [T, D] and manifest["pooled_prompt_embeds_shape"] == [DP]
+    assert manifest["shapes"] == {"prompt_embeds": [T, D], "pooled_prompt_embeds": [DP]}
+    assert manifest["embedding_keys"] == ["prompt_embeds", "pooled_prompt_embeds"] and manifest["negative"] is None
     assert [p["id"] for p in manifest["prompts"]] == list(range(7))
     assert manifest["num_truncated"] == 2 and [p["truncated"] for p in manifest["prompts"]][:3] == [False, True, False]
     assert len(manifest["shards"]) == 3
@@ -162,7 +164,9 @@ def test_writer_completeness_tracks_prompt_texts(tmp_path):
     changed = EmbeddingWriter(out, ["p0", "p1", "p2", "p3", "CHANGED", "p5"], writer.spec)
     assert [changed.is_complete(s) for s in changed.shards] == [True, False]
     # finalize removes shards that no longer belong to the store
-    changed.write_shard(changed.shards[1], torch.zeros(3, T, D), torch.zeros(3, DP), [False] * 3)
+    changed.write_shard(changed.shards[1], {"prompt_embeds": torch.zeros(3, T, D),
+                                            "pooled_prompt_embeds": torch.zeros(3, DP)},
+                        [False] * 3)
     changed.finalize()
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors"]
     assert EmbeddingDataset(out)[4]["prompt"] == "CHANGED"

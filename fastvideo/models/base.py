@@ -186,6 +186,12 @@ class ModelFamily:
         ``load_lora_into_transformer`` write and read this family's LoRA exports."""
         raise self._missing("pipeline_class")
 
+    def vae_class(self) -> type:
+        """The diffusers VAE class of the family's ``vae/`` folder (the planner builds it on meta from its config)."""
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL
+
     def transformer_class(self) -> type:
         """The diffusers transformer class a full fine-tune's export is a folder of."""
         raise self._missing("transformer_class")
