@@ -157,7 +157,7 @@ def update_policy(run: training.Run, pair_batch: dict, x0_w: torch.Tensor, x0_l:
     for k, items in enumerate(micro_batches):
         idx = rows[items]
         idx_dev = devices.to_device(idx, device)  # CPU draws and latents: pinned, non-blocking copies
-        cond = {key: pair_batch[key][idx_dev] for key in ("prompt_embeds", "pooled_prompt_embeds")}
+        cond = {key: pair_batch[key][idx_dev] for key in models.family_of(policy.model).embedding_keys}
         inputs = (devices.to_device(x0_w[idx], device), devices.to_device(x0_l[idx], device), eps[items],
                   sigma[items], cond, run.geometry)
         with torch.no_grad(), policy.reference() as ref_model:

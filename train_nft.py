@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, errors, training
+from fastvideo import devices, errors, models, training
 from fastvideo.config import parse_nft_args, validate_nft
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 from fastvideo.memory import plan_nft
@@ -125,7 +125,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     timesteps_dev = devices.to_device(timesteps, device)  # once per step: the loop below never syncs
     for mb_index, idx_cpu in enumerate(micro_batches):
         idx = devices.to_device(idx_cpu, device)
-        cond = {k: batch[k][idx] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        cond = {k: batch[k][idx] for k in models.family_of(policy.model).embedding_keys}
         keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx_cpu.tolist()],
                     sample_indices=[samples.sample_indices[i] for i in idx_cpu.tolist()])
         for k in range(num_trained):

@@ -229,7 +229,7 @@ def default_loops() -> list[LoopSpec]:
     ``update_policy``, and an update step of DPO's / NFT's ``update_policy``."""
     from fastvideo import rollout
 
-    return [LoopSpec("sampling_step", rollout.rollout, "predict_velocity", SAMPLING_STEP_SYNC_BUDGET),
+    return [LoopSpec("sampling_step", rollout.rollout, "guided_velocity", SAMPLING_STEP_SYNC_BUDGET),
             LoopSpec("replay_step", trainer("train_grpo_flux").update_policy, "replay_log_prob",
                      REPLAY_STEP_SYNC_BUDGET),
             LoopSpec("dpo_update_step", trainer("train_dpo").update_policy, "pair_errors", REPLAY_STEP_SYNC_BUDGET),
@@ -781,22 +781,39 @@ class Shared:
     vae: Any
     reward: Any
     prompts: list[str]
+    embedding_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # key -> row
+    extra_flags: tuple[str, ...] = ()  # the family's flags on every path (e.g. --cfg_scale)
 
 
-def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, size: int) -> Shared:
-    """Load the VAE (bf16, on the device, as ``Run.load_models`` does) and build the reward, on pretend CUDA."""
-    from fastvideo import distributed
-    from fastvideo.models import flux
+def embedding_rows(model_dir: Path, max_sequence_length: int = 32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``key -> (row shape, dtype)`` of the family's stored embeddings, from a real encode of one prompt with the
+    folder's text encoders (before the fake mode: the trace then makes random rows of these shapes)."""
+    from fastvideo import models
+
+    family = models.resolve("auto", model_dir)
+    encoders = family.load_text_encoders(model_dir)
+    with torch.no_grad():
+        cond, _ = family.encode_prompts(encoders, ["a red cube on a table"], max_sequence_length)
+    cond = family.collate(cond)
+    return {k: (tuple(v.shape[1:]), v.dtype) for k, v in cond.items()}
+
+
+def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, size: int,
+            rows: dict[str, tuple[tuple[int, ...], torch.dtype]], extra_flags: tuple[str, ...] = ()) -> Shared:
+    """Load the model family's VAE (bf16, on the device, as ``Run.load_models`` does) and build the reward, on
+    pretend CUDA; ``rows``: ``embedding_rows`` of the folder."""
+    from fastvideo import distributed, models
     from fastvideo.rewards import build_reward
     from fastvideo.toyworld.scenes import all_prompts
 
     device = distributed.info().device
+    family = models.resolve("auto", model_dir)
     (work_dir / "manifest.json").write_text("{}")  # flag validation only checks that it exists
-    vae = flux.load_vae(model_dir, dtype=torch.bfloat16, device=device)
+    vae = family.load_vae(model_dir, dtype=torch.bfloat16, device=device)
     reward = build_reward("hpsv2:1.0,toyworld:1.0", device, hps_checkpoint=str(hps_checkpoint),
                           hps_model=str(hps_model))
-    return Shared(model_dir, work_dir, size, flux.latent_geometry(model_dir, size, size), vae, reward,
-                  list(all_prompts()[:16]))
+    return Shared(model_dir, work_dir, size, family.latent_geometry(model_dir, size, size), vae, reward,
+                  list(all_prompts()[:16]), rows, extra_flags)
 
 
 # The trace's flags: 2 samples per rank (16 per step over 8 ranks), one rollout micro-batch, 2 sampling steps.
@@ -809,7 +826,7 @@ def _flags(shared: Shared, objective: Objective, variant: str, extra: tuple[str,
     out = shared.work_dir / f"{objective.name}-{variant}"
     return ["--pretrained_model_name_or_path", str(shared.model_dir), "--data_json_path",
             str(shared.work_dir / "manifest.json"), "--output_dir", str(out), "--h", str(shared.size), "--w",
-            str(shared.size), *TRACE_FLAGS, *objective.flags, *VARIANTS[variant], *extra]
+            str(shared.size), *TRACE_FLAGS, *objective.flags, *VARIANTS[variant], *shared.extra_flags, *extra]
 
 
 def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, ...] = ()) -> Any:
@@ -824,21 +841,24 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
 
 
 def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Trace:
-    """The step's samples and batch (random embeddings of the folder's text widths, moved as ``batch_to`` moves
-    them), and the rollout with the sampling policy (the old policy for NFT), as the trainers call it."""
+    """The step's samples and batch (random embeddings of the family's row shapes, ``negative_<key>`` rows too with
+    --cfg_scale > 1, moved as ``batch_to`` moves them), and the rollout with the sampling policy (the old policy for
+    NFT), as the trainers call it."""
     from fastvideo import rollout, training
     from fastvideo.data import GroupSampler
 
-    args, dist, config = run.args, run.dist, run.policy.config
+    args, dist = run.args, run.dist
     samples = GroupSampler(len(shared.prompts), args.prompts_per_step, args.num_generations, seed=args.seed,
                            rank=dist.dp_rank, world_size=dist.dp_size).next()
     with rec.quiet():
         g = torch.Generator().manual_seed(args.seed)
         b = len(samples.prompt_ids)
         batch = {"prompt_ids": torch.tensor(samples.prompt_ids), "prompts": [shared.prompts[i] for i in
-                                                                              samples.prompt_ids],
-                 "prompt_embeds": torch.randn(b, 32, config["joint_attention_dim"], generator=g),
-                 "pooled_prompt_embeds": torch.randn(b, config["pooled_projection_dim"], generator=g)}
+                                                                              samples.prompt_ids]}
+        for prefix in ("", "negative_") if args.cfg_scale > 1 else ("",):
+            for key, (shape, dtype) in shared.embedding_rows.items():
+                batch[prefix + key] = (torch.randn(b, *shape, generator=g) if dtype.is_floating_point
+                                       else torch.ones(b, *shape, dtype=dtype))
     batch = training.batch_to(batch, run.device)
     policy = run.policy
     sampler = policy.old.active() if objective.old_policy_samples else contextlib.nullcontext(policy.model)
@@ -972,18 +992,21 @@ class Report:
 
 def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, *,
                   objectives: list[Objective] | None = None, variants: tuple[str, ...] = tuple(VARIANTS),
-                  sp_size: int = 2, world_size: int = WORLD_SIZE, size: int = 64) -> Report:
+                  sp_size: int = 2, world_size: int = WORLD_SIZE, size: int = 64,
+                  extra_flags: tuple[str, ...] = ()) -> Report:
     """Trace every objective x variant (build -> rollout + decode -> reward -> update -> checkpoint/export) and an
     ``sp_size`` GRPO LoRA path (build, then the rollout's sampling forwards and decode) at ``world_size`` in bf16 on
-    pretend CUDA; images are ``size`` x ``size`` pixels."""
+    pretend CUDA, for the model family of ``model_dir``; images are ``size`` x ``size`` pixels; ``extra_flags`` go on
+    every trainer command line (e.g. ``--cfg_scale 4.5``)."""
     report, t0 = Report(), time.perf_counter()
     work_dir.mkdir(parents=True, exist_ok=True)
+    rows = embedding_rows(model_dir)
     with pretend_cuda(world_size) as rec, patched(_numpy_stub(rec)):
         report.loops = {loop.name: loop.budget for loop in rec.loops}
         report.world["trace"] = _world()
         report.autocast = autocast_probe()
         ok, shared = report.step(rec, "shared/vae+reward", lambda: _shared(model_dir, hps_checkpoint, hps_model,
-                                                                         work_dir, size))
+                                                                         work_dir, size, rows, extra_flags))
         if ok:
             for objective in objectives or default_objectives():
                 for variant in variants:
@@ -1163,12 +1186,19 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="tiny FLUX folder (default: built under --work)")
+    parser.add_argument("--model", type=Path, help="tiny model folder of any family (default: a tiny FLUX.1 built "
+                                                   "under --work)")
     parser.add_argument("--hps_checkpoint", type=Path, help="tiny HPS checkpoint (default: built under --work)")
     parser.add_argument("--hps_model", type=Path, help="its open_clip config JSON")
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--objectives", default="grpo,dpo,nft", help="comma-separated objectives to trace")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (lora, full)")
+    parser.add_argument("--sp_size", type=int, default=2, help="the SP path's degree (1 = no SP path)")
+    parser.add_argument("--extra", default="", help="flags for every trainer command line, e.g. '--cfg_scale 4.5'")
     args = parser.parse_args(argv)
+    wanted = args.objectives.split(",")
+    objectives = [o for o in default_objectives() if o.name in wanted]
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fake-cuda-")))
         model, hps_checkpoint, hps_model = args.model, args.hps_checkpoint, args.hps_model
@@ -1177,7 +1207,9 @@ def main(argv: list[str] | None = None) -> int:
             model, hps_checkpoint, hps_model = model or built[0], hps_checkpoint or built[1], hps_model or built[2]
         with warnings.catch_warnings():  # FSDP2's view-output and diffusers' experimental-API notes: not findings
             warnings.simplefilter("ignore")
-            report = dataclasses.asdict(run_hot_paths(model, hps_checkpoint, hps_model, work / "trace"))
+            report = dataclasses.asdict(run_hot_paths(model, hps_checkpoint, hps_model, work / "trace",
+                                                      objectives=objectives, variants=tuple(args.variants.split(",")),
+                                                      sp_size=args.sp_size, extra_flags=tuple(args.extra.split())))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
     print(format_report(report), flush=True)
