@@ -1039,7 +1039,7 @@ COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h
 
 def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
     """sample.py's unset sampler flags (None) from the model family's pipeline defaults (``SamplerDefaults``)."""
-    d = family.defaults
+    d = family.sampler_defaults(args.pretrained_model_name_or_path)
     for flag, value in (("num_inference_steps", d.steps), ("h", d.height), ("w", d.width),
                         ("max_sequence_length", d.max_sequence_length), ("cfg_scale", d.cfg_scale),
                         ("guidance_scale", d.guidance if d.guidance is not None else 1.0)):

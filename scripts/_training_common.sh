@@ -57,6 +57,14 @@ toy_data() {
             --eval_prompts "$EVAL_JSON")
 }
 
+# family_recipe TRAINER (grpo | dpo | dpo_offline | nft): the default recipe of MODEL_PATH's model family (FLUX.1:
+# dancegrpo_hps.yaml, dpo.yaml, dpo_offline.yaml, nft.yaml; SD3.5, Qwen-Image, FLUX.2: theirs, docs/model-families.md);
+# RECIPE set wins. A folder no family serves, or a family without a recipe for TRAINER, stops here naming the fix.
+family_recipe() {
+  if [ -n "${RECIPE:-}" ]; then echo "$RECIPE"; return; fi
+  "$PYTHON" -m fastvideo.models recipe "$1" "$MODEL_PATH"
+}
+
 # A real model (MODEL_PATH): its embeddings must exist (a plan does not need them).
 real_data() {
   DATA_JSON=${DATA_JSON:-$DATA_DIR/embeddings/manifest.json}

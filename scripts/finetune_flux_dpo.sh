@@ -70,11 +70,13 @@ else
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-flux}
     HPS_ARGS=()
     if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
-    set -- --config "${RECIPE:-scripts/recipes/dpo.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+    RECIPE=$(family_recipe dpo)  # the model family's (FLUX.1: dpo.yaml), or RECIPE
+    set -- --config "$RECIPE" --pretrained_model_name_or_path "$MODEL_PATH" \
       --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --resume_from latest "${HPS_ARGS[@]}" "$@"
   else
     OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo-flux-offline}
-    set -- --config "${RECIPE:-scripts/recipes/dpo_offline.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+    RECIPE=$(family_recipe dpo_offline)  # the model family's (FLUX.1: dpo_offline.yaml), or RECIPE
+    set -- --config "$RECIPE" --pretrained_model_name_or_path "$MODEL_PATH" \
       --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --preference_file "$PREFERENCE_FILE" \
       --resume_from latest "$@"
   fi

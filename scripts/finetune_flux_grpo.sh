@@ -5,6 +5,7 @@
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
 #     bash scripts/finetune_flux_grpo.sh [--flag value ...]   # DanceGRPO's 8-GPU FLUX recipe; any flag overridable
 #   RECIPE=scripts/recipes/flow_grpo.yaml MODEL_PATH=... bash scripts/finetune_flux_grpo.sh   # another recipe
+#   MODEL_PATH=/models/sd3.5-medium bash scripts/finetune_flux_grpo.sh   # another family: its default recipe
 # Env: MODEL_PATH, DATA_DIR (data), DATA_JSON (embeddings manifest), OUTPUT_DIR, NPROC_PER_NODE, NNODES,
 #      NODE_RANK, MASTER_ADDR, MASTER_PORT (one node without MASTER_PORT: torchrun --standalone on a free port;
 #      multi-node: run this on every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT; Slurm:
@@ -14,7 +15,7 @@
 #      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg),
 #      TOY_PRETRAIN (1: pretrain the toy FLUX from scratch instead of building it from the shipped weights),
 #      EVAL_JSON (toy world: held-out embeddings manifest), RECIPE (with MODEL_PATH: the --config recipe, default
-#      scripts/recipes/dancegrpo_hps.yaml; paths are relative to the repository root).
+#      the model family's: FLUX.1 scripts/recipes/dancegrpo_hps.yaml; paths are relative to the repository root).
 # Everything after the script name is passed to train_grpo_flux.py and wins over the defaults below
 # (the demo or recipe values come as --config files under the command line: one that conflicts with a flag you
 # append, e.g. --timestep_fraction with --sde_window_size, is dropped with a note). Flags are checked in one process
@@ -50,7 +51,8 @@ else
   if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
   # DanceGRPO's 8-GPU FLUX recipe, value by value with its sources: scripts/recipes/dancegrpo_hps.yaml (RECIPE=FILE
   # takes another recipe, e.g. scripts/recipes/flow_grpo.yaml; flags after the script name still win)
-  set -- --config "${RECIPE:-scripts/recipes/dancegrpo_hps.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+  RECIPE=$(family_recipe grpo)  # the model family's (FLUX.1: DanceGRPO's), or RECIPE
+  set -- --config "$RECIPE" --pretrained_model_name_or_path "$MODEL_PATH" \
     --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --resume_from latest "${HPS_ARGS[@]}" "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi

@@ -47,7 +47,8 @@ else
   if [ -n "${HPS_CHECKPOINT:-}" ]; then HPS_ARGS=(--hps_checkpoint "$HPS_CHECKPOINT"); fi
   # DiffusionNFT's values (its published code trains SD3.5-M) with FLUX.1-dev's sampling, each with its source:
   # scripts/recipes/nft.yaml (RECIPE=FILE takes another; flags after the script name still win)
-  set -- --config "${RECIPE:-scripts/recipes/nft.yaml}" --pretrained_model_name_or_path "$MODEL_PATH" \
+  RECIPE=$(family_recipe nft)  # the model family's (FLUX.1: nft.yaml), or RECIPE
+  set -- --config "$RECIPE" --pretrained_model_name_or_path "$MODEL_PATH" \
     --data_json_path "$DATA_JSON" --output_dir "$OUTPUT_DIR" --resume_from latest "${HPS_ARGS[@]}" "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi

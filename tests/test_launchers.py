@@ -127,10 +127,14 @@ ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 def launcher_argv(tmp_path: Path, script: str, **env_vars: str | None) -> list[str]:
     """What ``MODEL_PATH=... bash script`` hands to torchrun: a stub PYTHON records its arguments (argv.json) and the
-    allocator variables it sees (env.json). An ``env_vars`` value of None removes that variable."""
+    allocator variables it sees (env.json); ``python -m fastvideo.models`` (the family's recipe) runs for real. An
+    ``env_vars`` value of None removes that variable."""
     record, seen = tmp_path / "argv.json", tmp_path / "env.json"
     stub = tmp_path / "python"
     stub.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    # the launcher's model-family question (family_recipe) is answered by the real interpreter
+                    f"if sys.argv[1:3] == ['-m', 'fastvideo.models']: os.execv({sys.executable!r}, "
+                    f"[{sys.executable!r}, *sys.argv[1:]])\n"
                     f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
                     f"open({str(seen)!r}, 'w').write(json.dumps({{k: os.environ.get(k) for k in {ALLOC_VARS!r}}}))\n")
     stub.chmod(0o755)

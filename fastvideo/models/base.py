@@ -55,6 +55,13 @@ class ModelFamily:
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the transformer's repeated-block ModuleLists
     sequence_parallel: ClassVar[bool] = False  # whether --sp_size > 1 (Ulysses) is implemented for this family
 
+    recipes: ClassVar[dict[str, str]] = {}  # trainer (grpo, dpo, nft) -> the launchers' default recipe for it
+
+    def sampler_defaults(self, path: str | os.PathLike) -> SamplerDefaults:
+        """The stock pipeline defaults of the model folder ``path`` (a family whose variants differ, e.g. FLUX.2 dev
+        vs klein, reads the folder); default: ``defaults``."""
+        return self.defaults
+
     def __repr__(self) -> str:
         return f"{type(self).__module__}:{type(self).__qualname__}"
 

@@ -581,6 +581,8 @@ class Flux1(ModelFamily):
     lora_target_modules = LORA_TARGET_MODULES
     block_lists = ("transformer_blocks", "single_transformer_blocks")
     sequence_parallel = True
+    recipes = {"grpo": "scripts/recipes/dancegrpo_hps.yaml", "dpo": "scripts/recipes/dpo.yaml",
+               "dpo_offline": "scripts/recipes/dpo_offline.yaml", "nft": "scripts/recipes/nft.yaml"}
 
     def check_folder(self, path, components=None):
         return check_model_folder(path, COMPONENTS if components is None else components)
