@@ -242,6 +242,19 @@ def component_folder(path: str | os.PathLike, name: str, check: Any) -> Path:
     return check(folder, (name,)) / name
 
 
+def build_on_meta(cls: type, folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A diffusers model class built from ``folder``'s config.json on the meta device, parameters in ``dtype``:
+    shapes only, no memory, no weights read (the sharded-loading path: shard it, then load each rank's shards)."""
+    config = cls.load_config(folder, local_files_only=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in ``dtype`` (no cast afterwards)
+    try:
+        with torch.device("meta"):
+            return cls.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def unwrap_model(model: Any) -> Any:
     """The innermost model under DDP/FSDP1 (``.module``), torch.compile (``._orig_mod``) or peft wrappers.
 

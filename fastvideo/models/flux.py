@@ -7,6 +7,7 @@ Shapes: latents are packed 2x2 into tokens ``(B, L, C)`` with ``L = (H / 2f) * (
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ from fastvideo import devices
 from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTION_BACKEND,  # noqa: F401
                                          attention_backend_names, attention_backend_of, check_attention_backend,
                                          set_attention_backend, set_npu_attention)
-from fastvideo.models.base import (ModelFamily, SamplerDefaults, check_components, component_folder,  # noqa: F401
-                                    config_get, model_config, model_dtype, tag, unwrap_model)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components,  # noqa: F401
+                                    component_folder, config_get, model_config, model_dtype, tag, unwrap_model)
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -84,13 +85,37 @@ class ComputeDtypeRMSNorm(torch.nn.RMSNorm):
         return super().forward(x).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def _compute_dtype_diffusers_norm() -> type:
+    """``ComputeDtypeDiffusersRMSNorm``: diffusers' own ``RMSNorm`` (the q/k norms of SD3.5 and Qwen-Image) with the
+    same rounding, defined on first use (importing this module does not import diffusers)."""
+    from diffusers.models.normalization import RMSNorm
+
+    class ComputeDtypeDiffusersRMSNorm(RMSNorm):
+        """diffusers' ``RMSNorm`` rounded back to its input's dtype: its float32 variance makes a bf16 input float32
+        when the weight is float32 (fp32 master weights under autocast), so q/k would reach attention as float32
+        beside a bf16 v; the stock bf16 pipeline's norm returns bf16. A no-op in fp32 and for bf16 weights."""
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states).to(hidden_states.dtype)
+
+    ComputeDtypeDiffusersRMSNorm.__module__ = __name__
+    return ComputeDtypeDiffusersRMSNorm
+
+
 def keep_attention_dtype(transformer: Any) -> int:
-    """Make every ``torch.nn.RMSNorm`` of the transformer a ``ComputeDtypeRMSNorm`` (in place: class swap, weights and
-    names unchanged); returns how many were swapped. ``build_transformer`` and ``load_transformer`` call it."""
+    """Make every ``torch.nn.RMSNorm`` a ``ComputeDtypeRMSNorm`` and every diffusers ``RMSNorm`` a
+    ``ComputeDtypeDiffusersRMSNorm`` (in place: class swap, weights and names unchanged); returns how many were
+    swapped. Every family's ``build_transformer`` and ``load_transformer`` call it."""
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
     swapped = 0
     for module in unwrap_model(transformer).modules():
         if type(module) is torch.nn.RMSNorm:
             module.__class__ = ComputeDtypeRMSNorm
+            swapped += 1
+        elif type(module) is DiffusersRMSNorm:
+            module.__class__ = _compute_dtype_diffusers_norm()
             swapped += 1
     return swapped
 
@@ -100,15 +125,7 @@ def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     weights read (the 12B path: shard it, then ``weights.load_safetensors_into``; or count its parameters)."""
     from diffusers import FluxTransformer2DModel
 
-    folder = transformer_folder(path)
-    config = FluxTransformer2DModel.load_config(folder, local_files_only=True)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are created in ``dtype`` (no cast afterwards)
-    try:
-        with torch.device("meta"):
-            model = FluxTransformer2DModel.from_config(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = build_on_meta(FluxTransformer2DModel, transformer_folder(path), dtype)
     keep_attention_dtype(model)
     return model
 

@@ -31,8 +31,8 @@ import torch
 
 from fastvideo import devices
 from fastvideo.models.attention import set_attention_backend, set_npu_attention
-from fastvideo.models.base import (ModelFamily, SamplerDefaults, check_components, component_folder, config_get,
-                                   model_config, model_dtype, tag, unwrap_model)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
+                                   config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.flux import (Flux1, LatentGeometry, decode as flux_decode, encode as flux_encode,
                                    keep_attention_dtype, latent_geometry as flux_latent_geometry)
 
@@ -366,15 +366,7 @@ class Flux2(ModelFamily):
         return component_folder(path, "transformer", check_model_folder)
 
     def build_transformer(self, path, dtype=torch.float32):
-        cls = _transformer_cls()
-        config = cls.load_config(self.transformer_folder(path), local_files_only=True)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # parameters are created in ``dtype``, on meta: nothing allocated or read
-        try:
-            with torch.device("meta"):
-                model = cls.from_config(config)
-        finally:
-            torch.set_default_dtype(default)
+        model = build_on_meta(_transformer_cls(), self.transformer_folder(path), dtype)
         keep_attention_dtype(model)
         return tag(model, self)
 

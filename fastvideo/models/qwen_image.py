@@ -33,8 +33,8 @@ import torch
 
 from fastvideo import devices
 from fastvideo.models.attention import NPU_ATTENTION_BACKEND, set_attention_backend, set_npu_attention
-from fastvideo.models.base import (ModelFamily, SamplerDefaults, check_components, component_folder, config_get,
-                                   model_config, model_dtype, tag, unwrap_model)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
+                                   config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.flux import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
 
 # --------------------------------------------------------------------------------------- the stock pipeline's facts
@@ -246,14 +246,7 @@ class QwenImage(ModelFamily):
         plain tensors no weight load fills), RMSNorms kept in the compute dtype, tagged with this family."""
         from diffusers import QwenImageTransformer2DModel
 
-        config = QwenImageTransformer2DModel.load_config(self.transformer_folder(path), local_files_only=True)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # parameters are created in ``dtype``
-        try:
-            with torch.device("meta"):
-                model = QwenImageTransformer2DModel.from_config(config)
-        finally:
-            torch.set_default_dtype(default)
+        model = build_on_meta(QwenImageTransformer2DModel, self.transformer_folder(path), dtype)
         _fresh_rope(model)
         keep_attention_dtype(model)
         return tag(model, self)

@@ -17,7 +17,6 @@ pipeline loads; ``write_config`` writes stabilityai/stable-diffusion-3.5-medium'
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -30,9 +29,10 @@ import torch
 
 from fastvideo import tiny
 from fastvideo.models import flux
+from fastvideo.models.flux import keep_attention_dtype
 from fastvideo.models.attention import attention_backend_of, set_attention_backend
-from fastvideo.models.base import (ModelFamily, SamplerDefaults, check_components, component_folder, config_get,
-                                    model_dtype, tag, unwrap_model)
+from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
+                                   config_get, model_dtype, tag, unwrap_model)
 
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
     "transformer": ("config.json",),
@@ -66,39 +66,6 @@ LORA_TARGET_MODULES: tuple[str, ...] = (
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
 )
-
-
-# ------------------------------------------------------------------------------------------ module helpers
-@functools.lru_cache(maxsize=1)
-def _compute_dtype_norm_class() -> type:
-    """``ComputeDtypeDiffusersRMSNorm``: diffusers' ``RMSNorm`` (SD3.5's q/k norms) whose output keeps its input's
-    dtype, defined on first use (importing this module does not import diffusers)."""
-    from diffusers.models.normalization import RMSNorm
-
-    class ComputeDtypeDiffusersRMSNorm(RMSNorm):
-        """diffusers' ``RMSNorm`` rounded back to its input's dtype. Its float32 variance makes a bf16 input float32
-        when the weight is float32 (fp32 master weights under CUDA autocast), so q/k would reach attention as float32
-        beside a bf16 v; the stock bf16 pipeline's norm returns bf16. A no-op in fp32 and for bf16 weights."""
-
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return super().forward(hidden_states).to(hidden_states.dtype)
-
-    ComputeDtypeDiffusersRMSNorm.__module__ = __name__
-    return ComputeDtypeDiffusersRMSNorm
-
-
-def keep_attention_dtype(transformer: Any) -> int:
-    """``flux.keep_attention_dtype`` (torch.nn.RMSNorm) plus the same class swap for diffusers' ``RMSNorm``, which
-    SD3.5's ``norm_q/norm_k/norm_added_q/norm_added_k`` are; returns how many norms were swapped."""
-    from diffusers.models.normalization import RMSNorm
-
-    cls = _compute_dtype_norm_class()
-    swapped = flux.keep_attention_dtype(transformer)
-    for module in unwrap_model(transformer).modules():
-        if type(module) is RMSNorm:
-            module.__class__ = cls
-            swapped += 1
-    return swapped
 
 
 @dataclass
@@ -214,14 +181,7 @@ class SD3(ModelFamily):
         position table) is in the checkpoint, so sharded loading fills it like a weight."""
         from diffusers import SD3Transformer2DModel
 
-        config = SD3Transformer2DModel.load_config(self.transformer_folder(path), local_files_only=True)
-        previous = torch.get_default_dtype()
-        try:
-            torch.set_default_dtype(dtype)  # parameters are created in ``dtype``
-            with torch.device("meta"):
-                model = SD3Transformer2DModel.from_config(config)
-        finally:
-            torch.set_default_dtype(previous)
+        model = build_on_meta(SD3Transformer2DModel, self.transformer_folder(path), dtype)
         keep_attention_dtype(model)
         return tag(model, self)
 
