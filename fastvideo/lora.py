@@ -310,15 +310,21 @@ def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_nam
     metadata); ValueError for LoRA weights of other components (prompts are encoded without them)."""
     from fastvideo import models
 
+    import inspect
+
     pipeline = models.family_of(model).pipeline_class()
-    state_dict, alphas, metadata = pipeline.lora_state_dict(str(lora_dir), return_alphas=True,
-                                                            return_lora_metadata=True)
+    # FLUX.1's loader also returns network alphas; SD3's, Qwen-Image's and FLUX.2's keep alpha in the metadata only
+    with_alphas = "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters
+    loaded = pipeline.lora_state_dict(str(lora_dir), return_lora_metadata=True,
+                                      **({"return_alphas": True} if with_alphas else {}))
+    state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
     others = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
     if others:
         raise ValueError(f"{lora_dir} also holds LoRA weights for {', '.join(others)}; sample.py applies only a "
                          "transformer LoRA (the trainers' export)")
-    pipeline.load_lora_into_transformer(state_dict, network_alphas=alphas, transformer=model,
-                                        adapter_name=adapter_name, metadata=metadata)
+    extra = {"network_alphas": alphas} if with_alphas else {}
+    pipeline.load_lora_into_transformer(state_dict, transformer=model, adapter_name=adapter_name, metadata=metadata,
+                                        **extra)
     return model
 
 

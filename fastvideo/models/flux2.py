@@ -376,6 +376,11 @@ class Flux2(ModelFamily):
         keep_attention_dtype(model)  # q/k norms keep the compute dtype under autocast
         return tag(model, self)
 
+    def vae_class(self):
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2
+
     def load_vae(self, path, dtype=torch.float32, device="cpu"):
         from diffusers import AutoencoderKLFlux2
 

@@ -261,6 +261,11 @@ class QwenImage(ModelFamily):
         self.prepare_for_device(model, device)
         return tag(model, self)
 
+    def vae_class(self):
+        from diffusers import AutoencoderKLQwenImage
+
+        return AutoencoderKLQwenImage
+
     def load_vae(self, path, dtype=torch.float32, device="cpu"):
         """The frozen ``AutoencoderKLQwenImage`` (eval mode, no grad)."""
         from diffusers import AutoencoderKLQwenImage

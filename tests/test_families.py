@@ -1,0 +1,246 @@
+"""Every registered model family end to end on its tiny preset, through the product's commands: preprocessing on 2
+ranks (stored rows = the adapter's ``encode_prompts``, negative prompt included), GRPO with LoRA and true CFG on 2
+ranks (on-policy at the first update; the export loads in the stock pipeline and changes its images), sample.py of
+the base model = the stock pipeline on the same noise with CFG (8-bit rounding), ``--dry_run`` on the real-config
+preset. The slow tier adds online DPO, DiffusionNFT and a full fine-tune export per family.
+
+FLUX.1 has its own, deeper tests (test_train_*, test_sample, test_preprocess); the family adapters' pieces are checked
+against the stock pipelines in tests/test_family_<name>.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import REPO, run_torchrun
+
+MSL = 32  # text tokens stored per prompt
+H = W = 64
+STEPS = 3
+PROMPTS = 6
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A family's presets and how its stock pipeline takes our packed noise and its true-CFG arguments."""
+
+    name: str
+    preset: str
+    config_preset: str
+    pipeline_latents: Callable[[torch.Tensor, object], torch.Tensor]  # packed (B, L, C), geometry -> latents=
+    cfg_kwargs: Callable[[float, str], dict]  # (cfg scale, negative prompt) -> pipeline call kwargs
+
+
+def _unpacked(packed: torch.Tensor, geometry) -> torch.Tensor:
+    from fastvideo.models.flux import unpack_latents
+
+    return unpack_latents(packed, geometry)
+
+
+def _flux2_latents(packed: torch.Tensor, geometry) -> torch.Tensor:
+    b, length, channels = packed.shape
+    return packed.transpose(1, 2).reshape(b, channels, geometry.latent_h // 2, geometry.latent_w // 2)
+
+
+SPECS = {
+    "sd3": Spec("sd3", "sd3-tiny", "sd3.5-medium-config", _unpacked,
+                lambda s, neg: dict(guidance_scale=s, negative_prompt=neg)),
+    "qwen-image": Spec("qwen-image", "qwen-image-tiny", "qwen-image-config", lambda p, g: p,
+                       lambda s, neg: dict(true_cfg_scale=s, negative_prompt=neg)),
+    "flux2": Spec("flux2", "flux2-tiny", "flux2-klein-4b-config", _flux2_latents,
+                  lambda s, neg: dict(guidance_scale=s)),  # Flux2KleinPipeline's negative is always ""
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def fam(request, tmp_path_factory) -> dict:
+    """The family's tiny folder and the embeddings of the first prompts of assets/prompts.txt, preprocessed on 2
+    ranks in shards of 2 with the family's negative prompt."""
+    from fastvideo import models
+    from fastvideo.tiny import build_preset
+
+    spec = SPECS[request.param]
+    root = tmp_path_factory.mktemp(spec.name)
+    model = build_preset(root / "model", spec.preset, seed=0)
+    family = models.resolve("auto", model)
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:PROMPTS]) + "\n")
+    negative = family.defaults.negative_prompt
+    run_torchrun(["preprocess_embeddings.py", "--model_path", str(model), "--prompt_file", str(prompts),
+                  "--output_dir", str(root / "emb"), "--max_sequence_length", str(MSL), "--shard_size", "2",
+                  "--negative_prompt", negative, "--device", "cpu"])
+    return {"spec": spec, "family": family, "model": model, "manifest": root / "emb" / "manifest.json",
+            "prompts": prompts, "root": root, "negative": negative}
+
+
+def test_auto_picks_the_family_and_pipeline_defaults_use_cfg(fam):
+    family, spec = fam["family"], fam["spec"]
+    assert family.name == spec.name and family.defaults.cfg_scale > 1  # the tiny presets are CFG models
+    assert not family.sequence_parallel and family.lora_target_modules
+
+
+def test_preprocessing_on_two_ranks_equals_encode_prompts(fam):
+    """Every stored row (4 shards written by 2 ranks) and the negative row equal the adapter's ``encode_prompts``
+    of the same prompt in one process (the adapters' own tests tie ``encode_prompts`` to the stock pipeline)."""
+    from fastvideo.data import EmbeddingDataset
+
+    family = fam["family"]
+    ds = EmbeddingDataset(fam["manifest"])
+    assert ds.manifest["model_family"] == family.name and ds.embedding_keys == family.embedding_keys
+    assert ds.negative_prompt == fam["negative"]
+    encoders = family.load_text_encoders(fam["model"])
+    with torch.no_grad():
+        expected, _ = family.encode_prompts(encoders, ds.prompts, MSL)
+        negative, _ = family.encode_prompts(encoders, [fam["negative"]], MSL)
+    stored = ds.get_batch(list(range(len(ds))))
+    for key in family.embedding_keys:
+        assert stored[key].shape == expected[key].shape, key
+        torch.testing.assert_close(stored[key], expected[key], rtol=0, atol=1e-5, msg=key)
+        torch.testing.assert_close(ds.negative_rows()[key], negative[key], rtol=0, atol=1e-5, msg=key)
+
+
+def _grpo(fam: dict, out: Path, *extra: str) -> None:
+    run_torchrun(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path",
+                  str(fam["manifest"]), "--output_dir", str(out), "--device", "cpu", "--h", str(H), "--w", str(W),
+                  "--sampling_steps", "4", "--num_generations", "4", "--prompts_per_step", "2",
+                  "--rollout_batch_size", "4", "--train_batch_size", "2", "--timestep_fraction", "0.7", "--reward",
+                  "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
+                  "--max_train_steps", "2", "--checkpointing_steps", "100", *extra])
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pipeline(model: Path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
+    """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
+    replay): the first update's ratios are 1 (the replayed guided log-prob equals the rollout's), the loss is finite,
+    and the export changes the stock pipeline's images."""
+    cfg = fam["family"].defaults.cfg_scale
+    out = tmp_path / "grpo"
+    _grpo(fam, out, "--lora_rank", "4", "--cfg_scale", str(cfg))
+    rows = _rows(out / "metrics.jsonl")
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in rows)
+    assert rows[0]["ratio_first_update_max_dev"] < 1e-5, rows[0]
+    assert rows[0]["grad_norm"] > 0  # the update reaches the adapter
+    pipe = _pipeline(fam["model"])
+    call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
+                max_sequence_length=MSL, **fam["spec"].cfg_kwargs(cfg, fam["negative"]))
+    base = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    pipe.load_lora_weights(out / "final")
+    tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
+
+
+def _png(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.int16)
+
+
+def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
+    """sample.py on the base model with the family's defaults (CFG scale, negative prompt) but size and steps: its
+    PNGs equal the stock pipeline's images from the same keyed initial noise to 8-bit rounding."""
+    from fastvideo.data import EmbeddingDataset
+    from fastvideo.seeding import NoiseSource
+
+    family, spec = fam["family"], fam["spec"]
+    out = tmp_path / "samples"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "sample.py", "--pretrained_model_name_or_path", str(fam["model"]),
+                           "--prompts", str(fam["prompts"]), "--output_dir", str(out), "--h", str(H), "--w", str(W),
+                           "--num_inference_steps", str(STEPS), "--max_prompts", "2", "--max_sequence_length",
+                           str(MSL), "--device", "cpu", "--seed", "7"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["cfg_scale"] == family.defaults.cfg_scale and config["negative_prompt"] == fam["negative"]
+    assert EmbeddingDataset(out / "embeddings").negative_prompt == fam["negative"]
+    pipe = _pipeline(fam["model"])
+    geometry = family.latent_geometry(fam["model"], H, W)
+    noise = NoiseSource(7)
+    worst = 0
+    for row in _rows(out / "index.jsonl"):
+        packed = noise.randn(geometry.packed_shape, step=0, prompt_id=row["prompt_id"],
+                             sample_index=row["sample_index"], purpose="init")[None]
+        image = pipe(prompt=row["prompt"], height=H, width=W, num_inference_steps=STEPS, output_type="pt",
+                     latents=spec.pipeline_latents(packed, geometry), max_sequence_length=MSL,
+                     **spec.cfg_kwargs(family.defaults.cfg_scale, fam["negative"])).images[0]
+        ref = image.clamp(0, 1).mul(255).add(0.5).floor().permute(1, 2, 0).numpy().astype(np.int16)
+        diff = np.abs(_png(out / row["path"]) - ref)
+        worst = max(worst, int(diff.max()))
+        assert diff.max() <= 1 and diff.mean() < 0.01, (row["path"], diff.max(), diff.mean())
+    assert len(_rows(out / "index.jsonl")) == 2, worst
+
+
+def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
+    """``train_grpo_flux.py --dry_run`` on the family's real-config preset (no weights): a plan for 8 GPUs, printed
+    in under 30 s (the preset is written first, outside the timing)."""
+    from fastvideo.tiny import build_preset
+
+    spec = fam["spec"]
+    config_dir = build_preset(tmp_path / "config", spec.config_preset)
+    start = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train_grpo_flux.py", "--pretrained_model_name_or_path", str(config_dir),
+                           "--output_dir", str(tmp_path / "out"), "--device", "cuda", "--dry_run",
+                           "--dry_run_world_size", "8", "--h", "512", "--w", "512", "--lora_rank", "64",
+                           "--cfg_scale", "4.5", "--mixed_precision", "bf16", "--gradient_checkpointing",
+                           "--num_generations", "8", "--prompts_per_step", "4", "--train_batch_size", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "peak per rank" in proc.stdout and seconds < 30, (seconds, proc.stdout[-2000:])
+    assert "x 2 (CFG)" in proc.stdout  # the guided rollout's doubled batch is planned
+
+
+@pytest.mark.slow
+def test_dpo_and_nft_train_with_lora(fam, tmp_path):
+    """Online DPO (CFG rollout, unguided loss) and DiffusionNFT (CFG-free, --cfg_scale 1), 2 steps each with LoRA on
+    2 ranks: finite losses, a moving policy, exports the stock pipeline loads."""
+    common = ["--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path", str(fam["manifest"]),
+              "--device", "cpu", "--h", str(H), "--w", str(W), "--sampling_steps", "4", "--num_generations", "4",
+              "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
+              "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
+              "--max_train_steps", "2", "--checkpointing_steps", "100", "--lora_rank", "4"]
+    run_torchrun(["train_dpo.py", *common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
+                  str(fam["family"].defaults.cfg_scale)])
+    run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"])
+    for name in ("dpo", "nft"):
+        rows = _rows(tmp_path / name / "metrics.jsonl")
+        assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), (name, rows)
+        pipe = _pipeline(fam["model"])
+        pipe.load_lora_weights(tmp_path / name / "final")  # a LoRA folder of the family's pipeline
+
+
+@pytest.mark.slow
+def test_full_fine_tune_exports_a_transformer_the_stock_class_loads(fam, tmp_path):
+    """GRPO full fine-tune (no LoRA), 2 steps: OUT/final is a transformer folder the family's diffusers class loads,
+    with weights that differ from the base model's."""
+    family = fam["family"]
+    out = tmp_path / "full"
+    _grpo(fam, out, "--lora_rank", "0", "--cfg_scale", str(family.defaults.cfg_scale), "--learning_rate", "1e-4")
+    cls = family.transformer_class()
+    tuned = cls.from_pretrained(out / "final", local_files_only=True)
+    base = cls.from_pretrained(family.transformer_folder(fam["model"]), local_files_only=True)
+    moved = max((a - b).abs().max().item() for a, b in zip(tuned.state_dict().values(), base.state_dict().values()))
+    assert moved > 0
