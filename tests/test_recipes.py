@@ -1,7 +1,8 @@
-"""scripts/recipes/*.yaml: each recipe names its trainer on its first line, parses with that trainer's --config,
-validates for 8 ranks, plans within 80 GB per GPU on FLUX.1-dev's configs (the trainer's own --dry_run, run in two
-worker processes), states that plan in its header, holds no machine-specific paths, names its source repository, and
-cites a source (or "ours") for every value."""
+"""scripts/recipes/*.yaml: each recipe names its trainer on its first line and its model's real-config preset on its
+second (``# model: flux-dev-config``, ``sd3.5-medium-config``, ...), parses with that trainer's --config, validates for
+8 ranks, plans within 80 GB per GPU on that preset's configs (the trainer's own --dry_run, run in two worker processes),
+states that plan in its header, holds no machine-specific paths, names its source repository, and cites a source (or
+"ours") for every value."""
 from __future__ import annotations
 
 import json
@@ -45,6 +46,15 @@ CITATION = re.compile(r"\bours\b|https?://\S+|\barXiv:?\s?\d{4}\.\d{4,5}|(?<![\w
 HEADER_SOURCE = re.compile(r"\b[\w-]+/[\w.-]+ [\w./-]+\.(?:py|sh|yaml)\b")
 HEADER_PLAN = re.compile(r"Memory \(--dry_run --dry_run_world_size 8[^)]*\): (\d+(?:\.\d+)?) GiB per GPU, fits")
 PEAK_LINE = re.compile(r"peak per rank = persistent \+ \w+\s+(\d+(?:\.\d+)?)")
+# the real-config presets a recipe may plan on (fastvideo.tiny.build_preset) -> the transformer size its plan prints
+# (the model's parameters plus the LoRA adapters): FLUX.1-dev 11.9B, SD3.5-Medium 2.24B, Qwen-Image 20.4B,
+# FLUX.2-klein-4B 3.88B
+PRESET_PARAMS = {
+    "flux-dev-config": r"1[12]\.\d+B",
+    "sd3.5-medium-config": r"2\.\d+B",
+    "qwen-image-config": r"20\.\d+B",
+    "flux2-klein-4b-config": r"[34]\.\d+B",
+}
 
 
 def _extra_flags(recipe: Path, pairs: Path) -> list[str]:
@@ -60,14 +70,26 @@ def _trainer(recipe: Path) -> str:
     return match.group(1)
 
 
-# Runs the trainers' own --dry_run for the recipes. Two workers share the work: one writes the flux-dev-config folder
-# while the other imports diffusers, then each claims the next unplanned recipe, so on two cores the whole takes about
-# half its serial time.
+def _preset(recipe: Path) -> str:
+    """The real-config preset a recipe plans on: its second line, ``# model: <preset>``."""
+    lines = recipe.read_text().splitlines()
+    second = lines[1] if len(lines) > 1 else ""
+    match = re.fullmatch(r"# model: (\S+)", second.strip())
+    assert match, f"{recipe.name}: the second line must be '# model: <preset>', got {second!r}"
+    assert match.group(1) in PRESET_PARAMS, \
+        f"{recipe.name}: unknown model preset {match.group(1)} (one of {sorted(PRESET_PARAMS)})"
+    return match.group(1)
+
+
+# Runs the trainers' own --dry_run for the recipes, each on the folder of the preset its "# model:" line names. Two
+# workers share the work: each claims the next unbuilt preset and writes its folder (one builds while the other builds
+# the next or imports diffusers), then each claims the next unplanned recipe and waits for its preset's folder, so on
+# two cores the whole takes about half its serial time. A preset that fails to build fails only its recipes.
 WORKER = r"""
 import contextlib, importlib.util, io, json, os, sys, time, traceback
 from pathlib import Path
 
-model, out_dir, world, device_gb, *jobs = sys.argv[1:]
+model_root, out_dir, world, device_gb, presets, *jobs = sys.argv[1:]
 
 
 def claim(path):
@@ -78,29 +100,39 @@ def claim(path):
         return False
 
 
-if claim(model + ".claim"):
-    try:
-        from fastvideo.tiny import write_flux_dev_config
+for preset in json.loads(presets):
+    folder = Path(model_root, preset)
+    if claim(str(folder) + ".claim"):
+        try:
+            from fastvideo.tiny import build_preset
 
-        write_flux_dev_config(model)
-    except BaseException:
-        Path(model + ".failed").write_text(traceback.format_exc())
-        raise
-else:
-    import diffusers, fastvideo.memory  # noqa: F401 (warm the imports while the other worker writes the folder)
+            build_preset(folder, preset)
+        except BaseException:
+            Path(str(folder) + ".failed").write_text(traceback.format_exc())
+import diffusers, fastvideo.memory  # noqa: F401 (warm the imports while the other worker writes a folder)
 
+
+def wait_for(preset):
+    folder = Path(model_root, preset)
     deadline = time.time() + 300
-    while not Path(model, "model_index.json").is_file():
-        if Path(model + ".failed").exists() or time.time() > deadline:
-            sys.exit("the other worker did not write " + model)
+    while not (folder / "model_index.json").is_file():
+        failed = Path(str(folder) + ".failed")
+        if failed.exists():
+            raise RuntimeError(f"building the {preset} preset failed:\n" + failed.read_text())
+        if time.time() > deadline:
+            raise TimeoutError(f"the other worker did not write the {preset} preset")
         time.sleep(0.1)
+    return str(folder)
+
+
 for job in jobs:
-    recipe, script, extra = job.split("::", 2)
+    recipe, script, preset, extra = job.split("::", 3)
     out = str(Path(out_dir) / Path(recipe).stem)
     if not claim(out + ".claim"):
         continue  # the other worker took it
     buf = io.StringIO()
     try:
+        model = wait_for(preset)
         spec = importlib.util.spec_from_file_location(Path(script).stem + "_dry_run", script)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # registered first, as importlib's recipe does (dataclasses look it up)
@@ -118,15 +150,19 @@ for job in jobs:
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory) -> dict[str, dict]:
-    """recipe stem -> {"error", "stdout"} of `<trainer> --config RECIPE --dry_run --dry_run_world_size 8` on
-    FLUX.1-dev's real configs (the flux-dev-config preset: no weights)."""
+    """recipe stem -> {"error", "stdout"} of `<trainer> --config RECIPE --dry_run --dry_run_world_size 8` on the real
+    configs of the recipe's model (its ``# model:`` preset, built with fastvideo.tiny.build_preset: no weights)."""
     root = tmp_path_factory.mktemp("recipe-plans")
+    models = root / "models"
+    models.mkdir()
     pairs = root / "pairs.jsonl"
     pairs.write_text("")
-    jobs = [f"{recipe}::{REPO / _trainer(recipe)}::{json.dumps(_extra_flags(recipe, pairs))}" for recipe in RECIPES]
+    presets = sorted({_preset(recipe) for recipe in RECIPES})
+    jobs = [f"{recipe}::{REPO / _trainer(recipe)}::{_preset(recipe)}::{json.dumps(_extra_flags(recipe, pairs))}"
+            for recipe in RECIPES]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(root / "flux-dev"), str(root), str(WORLD),
-                                 str(DEVICE_GB), *jobs], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(models), str(root), str(WORLD), str(DEVICE_GB),
+                                 json.dumps(presets), *jobs], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     logs = [w.communicate(timeout=600)[0] for w in workers]
     results = {}
@@ -140,7 +176,9 @@ def dry_runs(tmp_path_factory) -> dict[str, dict]:
 def test_recipes_exist():
     names = {p.name for p in RECIPES}
     assert {"dancegrpo_hps.yaml", "flow_grpo.yaml", "flow_grpo_fast.yaml", "mixgrpo.yaml", "dpo.yaml",
-            "dpo_offline.yaml", "nft.yaml"} <= names, names
+            "dpo_offline.yaml", "nft.yaml", "flow_grpo_sd3_geneval.yaml", "flow_grpo_sd3_ocr.yaml",
+            "flow_grpo_sd3_pickscore.yaml", "flow_grpo_fast_sd3.yaml", "nft_sd3.yaml", "verl_omni_qwen_image_ocr.yaml",
+            "flux2_klein_grpo.yaml"} <= names, names
     assert not [p.name for p in RECIPE_DIR.iterdir() if p.suffix != ".yaml"], "scripts/recipes/ holds only YAMLs"
 
 
@@ -219,23 +257,48 @@ def test_recipe_parses_and_validates(recipe, tmp_path):
     assert counts["world_size"] == WORLD
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_names_its_model_preset(recipe):
+    """The second line names a real-config preset (``# model: <preset>``) that fastvideo.tiny builds, and a recipe that
+    sets --model_family names the family of that preset's folder (FLUX.1's recipes leave it to auto)."""
+    from fastvideo import tiny
+
+    preset = _preset(recipe)
+    assert preset == tiny.FLUX_DEV_CONFIG_PRESET or preset in tiny.FAMILY_PRESETS, preset
+    family = yaml.safe_load(recipe.read_text()).get("model_family")
+    if preset == tiny.FLUX_DEV_CONFIG_PRESET:
+        assert family in (None, "auto", "flux1"), f"{recipe.name}: model_family {family!r} on {preset}"
+    else:
+        module = tiny.FAMILY_PRESETS[preset][0].partition(":")[0]
+        from fastvideo import models
+
+        owners = [name for name, target in models.FAMILIES.items() if target.partition(":")[0] == module]
+        assert family in owners, f"{recipe.name}: model_family {family!r}, but {preset} is built by {module} " \
+                                 f"(family {owners})"
+
+
 # slow for the default suite's time: the planner on FLUX.1-dev configs runs in the default suite in
 # test_memory.py::test_dry_run_plans_flux_dev_on_configs_alone; each recipe's flags parse and validate in
 # test_recipe_parses_and_validates
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_plan_fits_8x80gb(recipe, dry_runs):
-    """The trainer's --dry_run for 8 ranks on FLUX.1-dev's configs plans the recipe within 80 GiB per GPU, and the
-    recipe's header states that plan."""
+    """The trainer's --dry_run for 8 ranks on its model preset's configs plans the recipe within 80 GiB per GPU (on
+    that model: its transformer's size), and the recipe's header states that plan on that preset."""
     result = dry_runs[recipe.stem]
     assert result["error"] is None, f"{recipe.name}: --dry_run failed:\n{result['error']}"
     out = result["stdout"]
     assert f"world size {WORLD}" in out, out
-    assert re.search(r"transformer 1[12]\.\d+B params", out), out  # FLUX.1-dev's 11.9B (+ LoRA adapters)
+    preset = _preset(recipe)
+    if preset == "flux-dev-config":
+        assert re.search(r"transformer 1[12]\.\d+B params", out), out  # FLUX.1-dev's 11.9B (+ LoRA adapters)
+    assert re.search(rf"transformer {PRESET_PARAMS[preset]} params", out), out
     peak = float(PEAK_LINE.search(out).group(1))
     assert f"fits in {DEVICE_GB:g} GiB per device" in out and peak <= DEVICE_GB, out
     header = HEADER_PLAN.search(recipe.read_text())
     assert header, f"{recipe.name}: the header must state the plan ('Memory (--dry_run --dry_run_world_size 8 ...): " \
                    "X GiB per GPU, fits ...')"
+    assert f"on the {preset} preset" in header.group(0), \
+        f"{recipe.name}: the header's plan must name the preset it was measured on ({preset}): {header.group(0)!r}"
     assert abs(float(header.group(1)) - peak) <= 0.5, \
         f"{recipe.name}: the header says {header.group(1)} GiB per GPU, the plan now says {peak:.2f}; update it"
