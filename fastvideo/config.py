@@ -479,7 +479,8 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
                              "flags given on the command line override it. Repeatable: a later file overrides an "
                              "earlier one, and a value that conflicts with a later layer's flag (e.g. "
                              "--timestep_fraction under --sde_window_size) is dropped with a note. A run's "
-                             "OUT/config.json reproduces the run; scripts/recipes/ holds FLUX.1-dev recipes, "
+                             "OUT/config.json reproduces the run; scripts/recipes/ holds the recipes (FLUX.1-dev, SD3.5-M, "
+                             "Qwen-Image, FLUX.2-klein), "
                              "scripts/demos/ the demos' values")
 
 

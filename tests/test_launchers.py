@@ -122,6 +122,28 @@ def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
     assert {k: getattr(args, k) for k in expected} == expected
 
 
+def test_another_family_runs_its_own_recipe(tmp_path):
+    """MODEL_PATH of an SD3.5 folder: the GRPO and NFT launchers pass that family's recipes (Flow-GRPO's PickScore
+    SD3.5 config, DiffusionNFT's), the DPO launcher (no SD3 DPO recipe) stops naming RECIPE, and RECIPE wins."""
+    model = tmp_path / "sd35"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+
+    def config_of(script: str, **env: str) -> str:
+        argv = launcher_argv(tmp_path, script, MODEL_PATH=str(model), **env)
+        return argv[argv.index("--config") + 1]
+
+    assert config_of("scripts/finetune_flux_grpo.sh") == "scripts/recipes/flow_grpo_sd3_pickscore.yaml"
+    assert config_of("scripts/finetune_flux_nft.sh") == "scripts/recipes/nft_sd3.yaml"
+    assert config_of("scripts/finetune_flux_grpo.sh", RECIPE="scripts/recipes/flow_grpo_sd3_ocr.yaml") == \
+        "scripts/recipes/flow_grpo_sd3_ocr.yaml"
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL_PATH": str(model), "DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.run(["bash", "scripts/finetune_flux_dpo.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "the sd3 family has no default dpo recipe" in proc.stderr
+    assert "RECIPE=scripts/recipes/FILE.yaml" in proc.stderr
+
+
 ALLOC_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 

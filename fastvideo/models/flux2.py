@@ -347,6 +347,7 @@ class Flux2(ModelFamily):
     defaults = SamplerDefaults(steps=50, guidance=None, height=1024, width=1024, max_sequence_length=MAX_TEXT_TOKENS,
                                cfg_scale=4.0, negative_prompt="")
     lora_target_modules = LORA_TARGET_MODULES
+    recipes = {"grpo": "scripts/recipes/flux2_klein_grpo.yaml"}  # the launchers' defaults (scripts/recipes/)
     block_lists = ("transformer_blocks", "single_transformer_blocks")
     sequence_parallel = False
 

@@ -228,6 +228,7 @@ class QwenImage(ModelFamily):
     defaults = SamplerDefaults(steps=50, guidance=None, height=1024, width=1024, max_sequence_length=512,
                                cfg_scale=4.0, negative_prompt=" ")
     lora_target_modules = LORA_TARGET_MODULES
+    recipes = {"grpo": "scripts/recipes/verl_omni_qwen_image_ocr.yaml"}  # the launchers' defaults (scripts/recipes/)
     block_lists = ("transformer_blocks",)
     sequence_parallel = False
 

@@ -165,6 +165,8 @@ class SD3(ModelFamily):
     defaults = SamplerDefaults(steps=28, guidance=None, height=1024, width=1024,
                                max_sequence_length=DEFAULT_T5_TOKENS, shift=SHIFT, cfg_scale=7.0, negative_prompt="")
     lora_target_modules = LORA_TARGET_MODULES
+    # the launchers' defaults (scripts/recipes/)
+    recipes = {"grpo": "scripts/recipes/flow_grpo_sd3_pickscore.yaml", "nft": "scripts/recipes/nft_sd3.yaml"}
     block_lists = ("transformer_blocks",)
     sequence_parallel = False
 
