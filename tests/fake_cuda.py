@@ -572,20 +572,41 @@ def patched(replacements: dict[tuple[Any, str], Any]) -> Iterator[None]:
 
 
 def _attention_wrappers(recorder: Recorder) -> dict[tuple[Any, str], Any]:
-    """Wrap diffusers' ``dispatch_attention_fn`` in every module that imported it, recording q/k/v dtypes."""
+    """Wrap diffusers' ``dispatch_attention_fn`` in every module that imported it, and ``F.scaled_dot_product_attention``
+    for the diffusers processors that call it directly (SD3's ``JointAttnProcessor2_0``), recording q/k/v dtypes once
+    per call (an SDPA call inside a dispatched one is not counted again; reward models' SDPA calls are not the
+    transformer's)."""
     from diffusers.models import attention_dispatch
 
     original = attention_dispatch.dispatch_attention_fn
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    depth = [0]
 
-    def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                              **kwargs: Any) -> Any:
+    def record(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         _, iteration = recorder.where()
         recorder.attention[AttentionCall(str(query.dtype), str(key.dtype), str(value.dtype), recorder.path,
                                          iteration)] += 1
-        return original(query, key, value, *args, **kwargs)
 
-    return {(module, "dispatch_attention_fn"): dispatch_attention_fn for module in list(sys.modules.values())
-            if getattr(module, "dispatch_attention_fn", None) is original}
+    def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                              **kwargs: Any) -> Any:
+        record(query, key, value)
+        depth[0] += 1
+        try:
+            return original(query, key, value, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                                     **kwargs: Any) -> Any:
+        if depth[0] == 0 and sys._getframe(1).f_globals.get("__name__", "").startswith("diffusers."):
+            record(query, key, value)  # a diffusers attention processor's own SDPA (not a reward model's)
+        return sdpa(query, key, value, *args, **kwargs)
+
+    wrappers: dict[tuple[Any, str], Any] = {(module, "dispatch_attention_fn"): dispatch_attention_fn
+                                            for module in list(sys.modules.values())
+                                            if getattr(module, "dispatch_attention_fn", None) is original}
+    wrappers[(torch.nn.functional, "scaled_dot_product_attention")] = scaled_dot_product_attention
+    return wrappers
 
 
 class AllArrivedStore(dist.Store):
@@ -628,7 +649,11 @@ def pretend_cuda(world_size: int = WORLD_SIZE, loops: list[LoopSpec] | None = No
     (patches, process group, ``distributed._INFO``)."""
     from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
 
-    import diffusers.models.transformers.transformer_flux  # noqa: F401  (imports dispatch_attention_fn's users)
+    # every family's transformer module, so that their dispatch_attention_fn references exist to be wrapped
+    import diffusers.models.transformers.transformer_flux  # noqa: F401
+    import diffusers.models.transformers.transformer_flux2  # noqa: F401
+    import diffusers.models.transformers.transformer_qwenimage  # noqa: F401
+    import diffusers.models.transformers.transformer_sd3  # noqa: F401
     from fastvideo import distributed
 
     if dist.is_initialized():
@@ -698,7 +723,7 @@ def update_dpo(ctx: Trace) -> None:
     with ctx.recorder.quiet():  # the trainer pairs gathered CPU latents (a step-end gather): here this rank's own
         x0 = ctx.traj.clean_latents.cpu()
     keys = samples.prompt_ids[0::2]
-    pair_batch = {k: ctx.batch[k][0::2] for k in ("prompt_embeds", "pooled_prompt_embeds")}  # the winners' rows
+    pair_batch = {k: v[0::2] for k, v in ctx.batch.items() if torch.is_tensor(v)}  # the winners' rows
     weights = torch.full((len(keys),), 1.0 / len(keys))
     trainer("train_dpo").update_policy(run, pair_batch, x0[0::2], x0[1::2], keys, weights, STEP)
     if run.policy.ref_snapshot is not None:

@@ -21,20 +21,38 @@ import fake_cuda
 HARNESS = Path(fake_cuda.__file__)
 
 
-@pytest.fixture(scope="module")
-def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) -> dict:
-    """The trace's report (``fake_cuda.Report`` as JSON), from one run of the harness in a subprocess."""
-    work = tmp_path_factory.mktemp("fake-cuda")
+def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> dict:
+    """The harness's report (``fake_cuda.Report`` as JSON) for ``model``, from one run in a subprocess."""
     flag = dict(zip(hps_flags[::2], hps_flags[1::2]))
     out = work / "report.json"
-    cmd = [sys.executable, str(HARNESS), "--model", str(tiny_flux_dir), "--hps_checkpoint", flag["--hps_checkpoint"],
-           "--hps_model", flag["--hps_model"], "--work", str(work), "--json", str(out)]
+    cmd = [sys.executable, str(HARNESS), "--model", str(model), "--hps_checkpoint", flag["--hps_checkpoint"],
+           "--hps_model", flag["--hps_model"], "--work", str(work), "--json", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=fake_cuda.REPO)
     if not out.is_file():
         raise AssertionError(f"the pretend-CUDA trace crashed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) -> dict:
+    """FLUX.1's trace: every objective x variant and the SP path."""
+    return _trace(tiny_flux_dir, hps_flags, tmp_path_factory.mktemp("fake-cuda"))
+
+
+FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny")
+
+
+@pytest.fixture(scope="module", params=FAMILY_PRESETS)
+def family_report(request, hps_flags: tuple[str, ...], tmp_path_factory) -> dict:
+    """Another family's trace (its tiny preset): GRPO, DPO and NFT with LoRA and true CFG 4.5 (the doubled guided
+    forward in every loop), no SP path (FLUX.1 only; the full fine-tune's sharding is FLUX.1's family-free path)."""
+    from fastvideo.tiny import build_preset
+
+    work = tmp_path_factory.mktemp(f"fake-cuda-{request.param}")
+    model = build_preset(work / "model", request.param)
+    return _trace(model, hps_flags, work, "--sp_size", "1", "--variants", "lora", "--extra", "--cfg_scale 4.5")
 
 
 @pytest.mark.parametrize("check", list(fake_cuda.CHECKS))
@@ -91,3 +109,21 @@ def test_harness_sees_what_it_must() -> None:
     found = {(f.kind, f.op, f.iteration) for f in rec.findings if f.iteration}
     assert found == {(kind, op, f"sampling_step[i={i}]") for i in (0, 1) for kind, op in (
         ("sync", "_local_scalar_dense"), ("answered", "_local_scalar_dense"), ("h2d", "_to_copy"), ("mix", "index"))}
+
+
+@pytest.mark.parametrize("check", list(fake_cuda.CHECKS))
+def test_family_pretend_cuda_trace(family_report: dict, check: str) -> None:
+    """SD3.5, Qwen-Image and FLUX.2 on the same checks (it found Qwen-Image's host-to-device copies in every
+    forward of diffusers' transformer, removed by the adapter's ``prepare_for_device``)."""
+    bad = fake_cuda.violations(family_report)[check]
+    if bad:
+        pytest.fail(f"{fake_cuda.CHECKS[check]}: {len(bad)} violation(s)\n" + "\n".join(bad), pytrace=False)
+
+
+def test_family_trace_covers_every_objective(family_report: dict) -> None:
+    """Each objective's LoRA path ran every phase, and attention ran inside every budgeted loop."""
+    expected = {f"{o}/lora/{phase}" for o in ("grpo", "dpo", "nft")
+                for phase in ("build", "rollout", "reward", "update", "checkpoint")}
+    assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
+    loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}
+    assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops

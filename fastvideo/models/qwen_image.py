@@ -168,6 +168,35 @@ def _fresh_rope(model: Any) -> None:
                                           scale_rope=pos_embed.scale_rope)
 
 
+def _text_len_without_copy(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None
+                            ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """diffusers' ``compute_text_seq_len_from_mask`` (same results) without its ``torch.as_tensor(int, device=...)``,
+    a blocking host-to-device copy (a host sync on CUDA) in every transformer forward of the sampling and replay
+    loops: the fallback length is a python scalar of ``torch.where`` instead."""
+    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+    if encoder_hidden_states_mask is None:
+        return text_seq_len, None, None
+    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
+    mask = encoder_hidden_states_mask.to(torch.bool)
+    positions = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    last = torch.where(mask, positions, positions.new_zeros(())).max(dim=1).values + 1
+    return text_seq_len, torch.where(mask.any(dim=1), last, text_seq_len), mask
+
+
+def _no_host_copies(model: Any, device: torch.device | str) -> None:
+    """Keep the Qwen-Image forward free of host-to-device copies: ``_text_len_without_copy`` in diffusers' module,
+    and the rotary tables put on ``device`` now (``QwenEmbedRope._get_device_freqs`` caches them per device) rather
+    than by a pageable copy inside the first sampling step."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    transformer_qwenimage.compute_text_seq_len_from_mask = _text_len_without_copy
+    pos_embed = unwrap_model(model).pos_embed
+    if pos_embed.pos_freqs.device.type != "meta" and hasattr(pos_embed, "_get_device_freqs"):
+        pos_embed._get_device_freqs(torch.device(device))
+
+
 @dataclass
 class TextEncoders:
     """Qwen-Image's frozen text encoder (Qwen2.5-VL, text path only) and its tokenizer."""
@@ -460,10 +489,12 @@ class QwenImage(ModelFamily):
 
     # ------------------------------------------------------------------------------------- device, export
     def prepare_for_device(self, transformer, device, *, param_dtype=None, attention_backend="auto"):
-        """``--attention_backend`` where given; on an NPU also its fused attention (bf16/fp16 weights). The rotary
+        """No host-to-device copy in the forward (``_no_host_copies``); ``--attention_backend`` where given; on an NPU
+        also its fused attention (bf16/fp16 weights). The rotary
         tables need no change there: ``QwenEmbedRope`` builds them from float32 angles as complex64 (no float64),
         though the NPU must then run complex64 products. cuda / cpu with ``auto``: nothing."""
         model = unwrap_model(transformer)
+        _no_host_copies(model, device)
         npu = devices.device_type(device) == "npu"
         done = []
         if npu:
