@@ -193,8 +193,12 @@ def _no_host_copies(model: Any, device: torch.device | str) -> None:
 
     transformer_qwenimage.compute_text_seq_len_from_mask = _text_len_without_copy
     pos_embed = unwrap_model(model).pos_embed
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # a device type this torch build lacks (npu without torch_npu): nothing runs there
+        return
     if pos_embed.pos_freqs.device.type != "meta" and hasattr(pos_embed, "_get_device_freqs"):
-        pos_embed._get_device_freqs(torch.device(device))
+        pos_embed._get_device_freqs(device)
 
 
 @dataclass
