@@ -1,8 +1,8 @@
 """Every registered model family end to end on its tiny preset, through the product's commands: preprocessing on 2
 ranks (stored rows = the adapter's ``encode_prompts``, negative prompt included), GRPO with LoRA and true CFG on 2
-ranks (on-policy at the first update; the export loads in the stock pipeline and changes its images), sample.py of
-the base model = the stock pipeline on the same noise with CFG (8-bit rounding), ``--dry_run`` on the real-config
-preset. The slow tier adds online DPO, DiffusionNFT and a full fine-tune export per family.
+ranks (on-policy at the first update; the export loads in the stock pipeline and changes its images). The slow tier
+adds sample.py of the base model = the stock pipeline on the same noise with CFG (8-bit rounding), ``--dry_run`` on
+the real-config preset, online DPO, DiffusionNFT, a full fine-tune export, exact resume and record/replay.
 
 FLUX.1 has its own, deeper tests (test_train_*, test_sample, test_preprocess); the family adapters' pieces are checked
 against the stock pipelines in tests/test_family_<name>.py.
@@ -109,13 +109,17 @@ def test_preprocessing_on_two_ranks_equals_encode_prompts(fam):
         torch.testing.assert_close(ds.negative_rows()[key], negative[key], rtol=0, atol=1e-5, msg=key)
 
 
-def _grpo(fam: dict, out: Path, *extra: str) -> None:
-    run_torchrun(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path",
-                  str(fam["manifest"]), "--output_dir", str(out), "--device", "cpu", "--h", str(H), "--w", str(W),
-                  "--sampling_steps", "4", "--num_generations", "4", "--prompts_per_step", "2",
-                  "--rollout_batch_size", "4", "--train_batch_size", "2", "--timestep_fraction", "0.7", "--reward",
-                  "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
-                  "--max_train_steps", "2", "--checkpointing_steps", "100", *extra])
+def _grpo_args(fam: dict, out: Path, *extra: str) -> list[str]:
+    return ["train_grpo_flux.py", "--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path",
+            str(fam["manifest"]), "--output_dir", str(out), "--device", "cpu", "--h", str(H), "--w", str(W),
+            "--sampling_steps", "4", "--num_generations", "4", "--prompts_per_step", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "2", "--timestep_fraction", "0.7", "--reward", "jpeg_compressibility:1.0",
+            "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar", "--max_train_steps", "2",
+            "--checkpointing_steps", "100", *extra]
+
+
+def _grpo(fam: dict, out: Path, *extra: str, nproc: int = 2) -> None:
+    run_torchrun(_grpo_args(fam, out, *extra), nproc=nproc)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -157,6 +161,9 @@ def _png(path: Path) -> np.ndarray:
         return np.asarray(img.convert("RGB"), dtype=np.int16)
 
 
+# slow for the default suite's time: the default suite checks each adapter's sampling loop against its stock pipeline
+# (tests/test_family_<name>.py) and sample.py's family-free path on FLUX.1 (test_sample.py)
+@pytest.mark.slow
 def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     """sample.py on the base model with the family's defaults (CFG scale, negative prompt) but size and steps: its
     PNGs equal the stock pipeline's images from the same keyed initial noise to 8-bit rounding."""
@@ -192,6 +199,9 @@ def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     assert len(_rows(out / "index.jsonl")) == 2, worst
 
 
+# slow for the default suite's time: the default suite plans FLUX.1-dev (test_memory.py); the family recipes are planned
+# in the slow tier too (test_recipes.py)
+@pytest.mark.slow
 def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
     """``train_grpo_flux.py --dry_run`` on the family's real-config preset (no weights): a plan for 8 GPUs, printed
     in under 30 s (the preset is written first, outside the timing)."""
@@ -244,3 +254,22 @@ def test_full_fine_tune_exports_a_transformer_the_stock_class_loads(fam, tmp_pat
     base = cls.from_pretrained(family.transformer_folder(fam["model"]), local_files_only=True)
     moved = max((a - b).abs().max().item() for a, b in zip(tuned.state_dict().values(), base.state_dict().values()))
     assert moved > 0
+
+
+@pytest.mark.slow
+def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
+    """GRPO LoRA with CFG, 2 steps on 2 ranks with a checkpoint after each and a recording: continued from step 1 it
+    logs the same metrics (LR schedule included); replayed on 1 rank from the recording, ``fastvideo.compare``
+    finds the two runs in agreement."""
+    from helpers import assert_resume_matches
+
+    cfg = str(fam["family"].defaults.cfg_scale)
+    flags = ("--lora_rank", "4", "--cfg_scale", cfg, "--checkpointing_steps", "1", "--lr_scheduler", "cosine",
+             "--lr_warmup_steps", "1")
+    straight, resumed, replay = tmp_path / "straight", tmp_path / "resumed", tmp_path / "replay"
+    _grpo(fam, straight, *flags, "--record_dir", str(straight / "rec"))
+    assert_resume_matches(straight, resumed, 1, _grpo_args(fam, resumed, *flags))
+    _grpo(fam, replay, *flags, "--replay_dir", str(straight / "rec"), "--record_dir", str(replay / "rec"), nproc=1)
+    out = subprocess.run([sys.executable, "-m", "fastvideo.compare", str(straight / "rec"), str(replay / "rec")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "agree" in out.stdout, out.stdout + out.stderr

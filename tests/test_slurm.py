@@ -27,9 +27,12 @@ case "$1 $2" in
   *) echo "scontrol stub: unexpected $*" >&2; exit 9 ;;
 esac
 """
-# PYTHON: records the torchrun command line and environment; STUB_OUTCOME says how the "training" ends
+# PYTHON: records the torchrun command line and environment (``python -m fastvideo.models``, the launcher's default-
+# recipe lookup, runs for real); STUB_OUTCOME says how the "training" ends
 PYTHON = """#!{python}
 import json, os, sys
+if sys.argv[1:3] == ["-m", "fastvideo.models"]:  # the launcher's model-family question: the real interpreter answers
+    os.execv("{python}", ["{python}", *sys.argv[1:]])
 out = os.environ["OUTPUT_DIR"]
 with open(os.path.join(os.environ["STUB_DIR"], "calls.jsonl"), "a") as f:
     f.write(json.dumps(dict(argv=sys.argv[1:], shutdown=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))) + "\\n")
