@@ -248,6 +248,33 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
+def fill_unstepped_adam_state(optimizer: torch.optim.Optimizer) -> int:
+    """Give every parameter of an Adam/AdamW ``optimizer`` that has no state yet the state Adam would create at its
+    first gradient (step 0, zero moments); returns how many were filled.
+
+    A trainable parameter that never receives a gradient (e.g. a LoRA on Qwen-Image's last block's text output,
+    which the model discards) has no optimizer state, so a checkpoint would lack it while a resumed optimizer
+    (initialised for every parameter) expects it. The filled state changes nothing: Adam skips parameters without a
+    gradient, and one that gets a gradient later starts from exactly this state."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 0
+    filled = 0
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            if not p.requires_grad or optimizer.state.get(p):
+                continue
+            step = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                    else torch.tensor(0.0, dtype=torch.float32))
+            state = {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+            filled += 1
+    return filled
+
+
 def save_checkpoint(
     ckpt_dir: str | Path,
     *,
@@ -280,6 +307,7 @@ def save_checkpoint(
                          "step)")
     rank, world = distributed.get_rank(), distributed.get_world_size()
     trainable_only = _trainable_only(model)
+    fill_unstepped_adam_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     averages = _averages(ema, shadows)
     trainable = sum(_local_bytes(_local(p)) for _, p in named_trainable_parameters(model))

@@ -237,3 +237,30 @@ def test_sharded_checkpoint_resumes_in_a_single_process(dist, tiny_flux_dir):
         got_ema = full_state_dict(model, trainable_only=True)
     assert set(got_ema) == set(expected["ema"])
     assert all(torch.equal(got_ema[k], v) for k, v in expected["ema"].items())
+
+
+def test_unstepped_adam_state_is_what_a_first_step_creates():
+    """``fill_unstepped_adam_state`` gives parameters without a gradient so far (Qwen-Image's unused last text
+    branch) Adam's initial state, so checkpoints hold every parameter: the state changes nothing (a later first step
+    from it equals a first step from no state), and parameters already stepped keep theirs."""
+    import copy
+
+    from fastvideo.checkpoint import fill_unstepped_adam_state
+
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW([*used.parameters(), *unused.parameters()], lr=0.1, weight_decay=0.01)
+    used(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    stepped = {k: v.clone() for k, v in opt.state[used.weight].items()}
+    twin = copy.deepcopy(unused)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1, weight_decay=0.01)
+    assert fill_unstepped_adam_state(opt) == 2 and fill_unstepped_adam_state(opt) == 0
+    assert all(torch.equal(opt.state[used.weight][k], v) for k, v in stepped.items())
+    assert float(opt.state[unused.weight]["step"]) == 0 and not opt.state[unused.weight]["exp_avg"].any()
+    x = torch.randn(5, 3)
+    for model, optimizer in ((unused, opt), (twin, twin_opt)):
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        optimizer.step()
+    assert torch.equal(unused.weight, twin.weight) and torch.equal(unused.bias, twin.bias)
