@@ -16,6 +16,7 @@ from fastvideo.models import flux2
 from fastvideo.schedulers import ode_step
 
 SIZE, MSL = 64, 32  # tiny preset: 64 px -> 64 packed tokens of 16 channels; 32 text tokens
+DEV_MSL = 96  # dev: its system message alone is ~70 tiny-BPE tokens, so the prompt needs room
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,20 @@ def pipe(tiny):
     from diffusers import Flux2KleinPipeline
 
     return Flux2KleinPipeline.from_pretrained(tiny, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def dev_tiny(tmp_path_factory) -> Path:
+    """The tiny FLUX.2-dev folder (seed 0), built once for the module."""
+    return flux2.build_tiny_dev(tmp_path_factory.mktemp("flux2") / "dev", seed=0)
+
+
+@pytest.fixture(scope="module")
+def dev_pipe(dev_tiny):
+    """The stock Flux2Pipeline (Mistral3 text encoder, Pixtral processor) on it."""
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline.from_pretrained(dev_tiny, local_files_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +154,8 @@ def test_cfg_sampling_equals_pipeline(tiny, pipe, family):
 
 
 def test_dev_guidance_sampling_equals_flux2_pipeline(tiny, pipe, family):
-    """FLUX.2-dev's path (guidance embedding, no CFG) against the stock Flux2Pipeline fed prompt_embeds (no tiny
-    Mistral3 text encoder offline): a tiny transformer with ``guidance_embeds``."""
+    """FLUX.2-dev's transformer path (guidance embedding, no CFG) against the stock Flux2Pipeline fed prompt_embeds:
+    klein's tiny transformer with ``guidance_embeds`` (the dev folder's own tests are further down)."""
     from diffusers import Flux2Pipeline
 
     torch.manual_seed(0)
@@ -273,3 +288,70 @@ def test_lora_targets_and_export_load_in_stock_pipeline(tiny, family, tmp_path):
         ours = family.predict_velocity(model, x, torch.tensor(0.7), {"prompt_embeds": embeds}, shared)
         theirs = family.predict_velocity(stock.transformer, x, torch.tensor(0.7), {"prompt_embeds": embeds}, shared)
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_dev_folder_loads_resolves_and_is_seeded(dev_tiny, dev_pipe, tiny, tmp_path):
+    """The stock Flux2Pipeline loads the dev folder offline (Mistral3 + PixtralProcessor, guidance-embedded
+    transformer, klein's VAE), auto resolves to flux2 with dev's defaults, and the build is byte-identical per seed."""
+    from fastvideo.tiny import build_preset
+
+    assert type(dev_pipe).__name__ == "Flux2Pipeline" and dev_pipe.transformer.config.guidance_embeds
+    assert (type(dev_pipe.text_encoder).__name__, type(dev_pipe.tokenizer).__name__) == \
+        ("Mistral3ForConditionalGeneration", "PixtralProcessor")
+    assert dev_pipe.text_encoder.config.text_config.num_hidden_layers >= max(flux2.DEV_TEXT_LAYERS)
+    family = models.resolve("auto", dev_tiny)
+    assert isinstance(family, flux2.Flux2) and flux2.pipeline_kind(dev_tiny) == flux2.DEV_PIPELINE
+    defaults = family.sampler_defaults(dev_tiny)
+    assert (defaults.guidance, defaults.cfg_scale) == (4.0, 1.0)
+    vae = Path("vae/diffusion_pytorch_model.safetensors")
+    assert filecmp.cmp(dev_tiny / vae, tiny / vae, shallow=False)  # the same tiny VAE as flux2-tiny
+    again, other = build_preset(tmp_path / "again", "flux2-dev-tiny", 0), flux2.build_tiny_dev(tmp_path / "o", 1)
+    files = sorted(p.relative_to(dev_tiny) for p in dev_tiny.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all(filecmp.cmp(dev_tiny / f, again / f, shallow=False) for f in files)
+    weights = Path("text_encoder/model.safetensors")
+    assert not filecmp.cmp(dev_tiny / weights, other / weights, shallow=False)
+
+
+def test_dev_encode_prompts_equals_pipeline(dev_tiny, dev_pipe):
+    """dev's Mistral3 embeddings (system message, three stacked layers; empty and cut prompts) and text ids equal
+    Flux2Pipeline.encode_prompt's; a max_sequence_length under the system message cuts every prompt."""
+    family = models.resolve("auto", dev_tiny)
+    encoders = family.load_text_encoders(dev_tiny)
+    assert encoders.kind == flux2.DEV_PIPELINE and encoders.layers == (10, 20, 30)
+    prompts = ["a photo of a cat", "", "a very long prompt " * 20]
+    cond, truncated = family.encode_prompts(encoders, prompts, DEV_MSL)
+    ref, ref_ids = dev_pipe.encode_prompt(prompts, device="cpu", max_sequence_length=DEV_MSL)
+    assert cond["prompt_embeds"].shape == ref.shape == (3, DEV_MSL, 48)
+    diff = (cond["prompt_embeds"] - ref).abs().max().item()
+    print(f"dev embedding max |diff| = {diff:.3g}")
+    assert diff <= 1e-6
+    assert truncated == [False, False, True]
+    assert (cond["prompt_embeds"][0] - cond["prompt_embeds"][1]).abs().max() > 0.1  # the prompt matters
+    shared = family.conditioning(family.latent_geometry(dev_tiny, SIZE, SIZE), cond, 4.0, torch.device("cpu"))
+    assert torch.equal(shared["txt_ids"], ref_ids[0].float()) and shared["guidance"].item() == 4.0
+    short = family.encode_prompts(encoders, prompts[:2], 16)[1]
+    assert short == [True, True]  # the system message alone is longer than 16 tokens
+
+
+def test_dev_guidance_sampling_equals_pipeline(dev_tiny, dev_pipe):
+    """An adapter-only Euler loop on the dev folder (Mistral3 prompts, embedded guidance 4.0, no CFG) gives the
+    stock Flux2Pipeline's images (8-bit)."""
+    family = models.resolve("auto", dev_tiny)
+    prompts, steps = ["a red cube on a table", "a blue sphere in the sky"], 3
+    transformer, vae = family.load_transformer(dev_tiny), family.load_vae(dev_tiny)
+    cond = family.encode_prompts(family.load_text_encoders(dev_tiny), prompts, DEV_MSL)[0]["prompt_embeds"]
+    geometry = family.latent_geometry(vae, SIZE, SIZE)
+    noise = torch.randn((2, *geometry.packed_shape), generator=torch.Generator().manual_seed(0))
+    ours = _euler(family, transformer, vae, noise, cond, None, steps, 1.0, guidance=4.0)
+    ref = dev_pipe(prompt=prompts, latents=_pipeline_latents(noise, SIZE // 8), num_inference_steps=steps,
+                   guidance_scale=4.0, height=SIZE, width=SIZE, max_sequence_length=DEV_MSL,
+                   output_type="pt").images
+    diff = (ours - ref).abs().max().item()
+    print(f"dev sampling max |diff| x 255 = {diff * 255:.3g}")
+    assert ours.shape == (2, 3, SIZE, SIZE) and diff * 255 < 1
+    other_guidance = _euler(family, transformer, vae, noise, cond, None, steps, 1.0, guidance=1.0)
+    print(f"guidance 4 vs 1 mean |diff| = {(other_guidance - ours).abs().mean().item():.3g}, prompt 0 vs 1 "
+          f"{(ours[0] - ours[1]).abs().mean().item():.3g}")
+    assert (other_guidance - ours).abs().mean() > 0.01  # the guidance value reaches the transformer
+    assert (ours[0] - ours[1]).abs().mean() > 0.01  # the prompt visibly changes the image
