@@ -32,7 +32,8 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:
 class ModelOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers FLUX folder (model_index.json, transformer/, vae/, ...); required")
-    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | "
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
+                                    "qwen-image | flux2 | "
                                     "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     data_json_path: str | None = opt(
         None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")
@@ -263,7 +264,8 @@ class SampleOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers FLUX folder (text encoders, VAE, and the transformer unless --transformer_path); "
         "required unless --run_dir")
-    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | "
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
+                                    "qwen-image | flux2 | "
                                     "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     lora_path: str | None = opt(None, "LoRA folder applied to the base transformer: a trainer's OUTPUT_DIR/final "
                                       "(--lora_rank > 0) or any folder FluxPipeline.load_lora_weights loads")

@@ -443,7 +443,8 @@ def main(argv: list[str] | None = None) -> Path:
         description="Write a demo Diffusion-DPO pair file: best vs worst of N ODE samples per prompt by a reward.")
     parser.add_argument("--model_path", required=True, help="diffusers FLUX folder (or a fastvideo.tiny one)")
     parser.add_argument("--model_family", default="auto",
-                        help="model family adapter: auto (from model_index.json) | flux1 | package.module:Class")
+                        help="model family adapter: auto (from model_index.json) | flux1 | sd3 | qwen-image | flux2 | "
+                             "package.module:Class")
     parser.add_argument("--data_json_path", required=True,
                         help="embedding manifest.json (or its folder) written by preprocess_embeddings.py")
     parser.add_argument("--output_dir", required=True, help="folder for pairs.jsonl and images/")

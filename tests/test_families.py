@@ -226,7 +226,7 @@ def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
 @pytest.mark.slow
 def test_dpo_and_nft_train_with_lora(fam, tmp_path):
     """Online DPO (CFG rollout, unguided loss) and DiffusionNFT (CFG-free, --cfg_scale 1), 2 steps each with LoRA on
-    2 ranks: finite losses, a moving policy, exports the stock pipeline loads."""
+    2 ranks: finite losses, a moving policy, exports the stock pipeline loads and that change its images."""
     common = ["--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path", str(fam["manifest"]),
               "--device", "cpu", "--h", str(H), "--w", str(W), "--sampling_steps", "4", "--num_generations", "4",
               "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
@@ -235,11 +235,16 @@ def test_dpo_and_nft_train_with_lora(fam, tmp_path):
     run_torchrun(["train_dpo.py", *common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
                   str(fam["family"].defaults.cfg_scale)])
     run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"])
+    call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
+                max_sequence_length=MSL)
+    base = _pipeline(fam["model"])(generator=torch.Generator().manual_seed(0), **call).images
     for name in ("dpo", "nft"):
         rows = _rows(tmp_path / name / "metrics.jsonl")
         assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), (name, rows)
         pipe = _pipeline(fam["model"])
         pipe.load_lora_weights(tmp_path / name / "final")  # a LoRA folder of the family's pipeline
+        tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+        assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4, name
 
 
 @pytest.mark.slow

@@ -94,6 +94,9 @@ def test_grpo_launcher_with_model_path_needs_embeddings(tmp_path):
     assert "preprocess_flux_embeddings.sh" in proc.stderr
 
 
+# slow for the default suite's time (~16 s): the default suite plans FLUX.1-dev with the trainer's --dry_run
+# (test_memory.py) and checks what the launcher hands the trainer (launcher_argv tests)
+@pytest.mark.slow
 def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
     """`MODEL_PATH=... bash scripts/finetune_flux_grpo.sh --dry_run --device cuda` on a folder of FLUX.1-dev configs:
     the recipe's plan for 8 ranks, without embeddings, weights, torchrun or a GPU, within 80 GiB per GPU."""
