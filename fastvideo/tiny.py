@@ -13,7 +13,11 @@ pieces come from the same BPE vocabulary (T5 layout: ``<pad>`` = 0, ``</s>`` = 1
 with no weights at all (a few MB, no download), for tools that instantiate the full-size models on the meta
 device (memory planning); its ``tokenizer_2/`` is the small T5 tokenizer above, not FLUX.1-dev's.
 
-CLI: ``python -m fastvideo.tiny --preset {tiny,bench,hps-tiny,flux-dev-config} --out DIR [--seed N]``.
+The other model families' presets (``FAMILY_PRESETS``: ``sd3-tiny``, ``qwen-image-tiny``, ``flux2-tiny``,
+``flux2-dev-tiny`` and the real-config ``sd3.5-medium-config``, ``qwen-image-config``, ``flux2-klein-4b-config``)
+are built by their adapter modules in ``fastvideo/models/``; ``build_preset`` builds any preset.
+
+CLI: ``python -m fastvideo.tiny --preset {tiny,bench,hps-tiny,flux-dev-config,<family preset>} --out DIR [--seed N]``.
 """
 from __future__ import annotations
 
