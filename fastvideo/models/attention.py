@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fastvideo.models.base import config_get, model_config, unwrap_model
+from fastvideo.models.base import config_get, model_config, model_dtype, unwrap_model
 
 NPU_ATTENTION_BACKEND = "_native_npu"  # diffusers' AttentionBackendName._NATIVE_NPU: torch_npu.npu_fusion_attention
 
@@ -111,3 +111,24 @@ def attention_backend_of(transformer: Any) -> set[str]:
             backend = processor._attention_backend
             found.add(getattr(backend, "value", backend))
     return found
+
+
+def choose_attention(model: Any, device: torch.device | str, param_dtype: torch.dtype | None = None,
+                     attention_backend: str = "auto") -> list[str]:
+    """The attention kernel of a transformer whose processors dispatch through diffusers (FLUX.1, FLUX.2,
+    Qwen-Image): ``--attention_backend`` where given (``set_attention_backend``); with ``auto``, on an NPU its fused
+    attention when the forward's weights (``param_dtype``, default the stored ones) are bf16/fp16, else SDPA; on
+    cuda / cpu nothing. Returns the start-up log lines."""
+    from fastvideo import devices
+
+    dtype = param_dtype or model_dtype(model)
+    if attention_backend != "auto":
+        used = set_attention_backend(model, attention_backend, device, dtype)
+        return [f"attention backend: {used}" + ("" if used == attention_backend else
+                                                  f" (--attention_backend {attention_backend} unavailable)")]
+    if devices.device_type(device) != "npu":
+        return []
+    if dtype in (torch.bfloat16, torch.float16):
+        return [set_npu_attention(model)]
+    return [f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} needs bf16/fp16 q, k, v; the weights are "
+            f"{str(dtype).replace('torch.', '')} in the forward)"]

@@ -18,6 +18,7 @@ import torch
 
 from fastvideo import devices
 from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTION_BACKEND,  # noqa: F401
+                                         choose_attention,
                                          attention_backend_names, attention_backend_of, check_attention_backend,
                                          set_attention_backend, set_npu_attention)
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components,  # noqa: F401
@@ -550,25 +551,10 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *,
     NPU fused attention takes only bf16/fp16 q, k and v, so with float32 compute SDPA is kept.
     """
     model = unwrap_model(transformer)
-    if attention_backend != "auto":
-        used = set_attention_backend(model, attention_backend, device, param_dtype or model_dtype(model))
-        done = [f"attention backend: {used}" + ("" if used == attention_backend else
-                                                  f" (--attention_backend {attention_backend} unavailable)")]
-        if devices.device_type(device) == "npu" and use_float32_rope(model):
-            done.insert(0, "pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")
-        return done
-    if devices.device_type(device) != "npu":
-        return []
-    done = []
-    if use_float32_rope(model):
-        done.append("pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)")
-    dtype = param_dtype or model_dtype(model)
-    if dtype in (torch.bfloat16, torch.float16):
-        done.append(set_npu_attention(model))
-    else:
-        done.append(f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} needs bf16/fp16 q, k, v; the weights "
-                    f"are {str(dtype).replace('torch.', '')} in the forward)")
-    return done
+    npu = devices.device_type(device) == "npu"
+    done = ["pos_embed: Float32FluxPosEmbed (rotary angles in float32; the NPU has no float64)"] \
+        if npu and use_float32_rope(model) else []
+    return done + choose_attention(model, device, param_dtype, attention_backend)
 
 
 # ------------------------------------------------------------------------------------------------ the adapter

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fastvideo import devices
-from fastvideo.models.attention import set_attention_backend, set_npu_attention
+from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.flux import (Flux1, LatentGeometry, decode as flux_decode, encode as flux_encode,
@@ -321,17 +321,10 @@ def prepare_for_device(transformer: Any, device: torch.device | str, *, param_dt
     """``--attention_backend`` (other than auto) in every attention layer; on an NPU also float32 rotary angles
     (diffusers would fall back to plain float32 angles there) and fused attention for bf16/fp16 weights."""
     model = unwrap_model(transformer)
-    dtype = param_dtype or model_dtype(model)
     npu = devices.device_type(device) == "npu"
     done = ["pos_embed: Float32Flux2PosEmbed (rotary angles in float32; the NPU has no float64)"] \
         if npu and use_float32_rope(model) else []
-    if attention_backend != "auto":
-        used = set_attention_backend(model, attention_backend, device, dtype)
-        done.append(f"attention backend: {used}" + ("" if used == attention_backend else
-                                                      f" (--attention_backend {attention_backend} unavailable)"))
-    elif npu and dtype in (torch.bfloat16, torch.float16):
-        done.append(set_npu_attention(model))
-    return done
+    return done + choose_attention(model, device, param_dtype, attention_backend)
 
 
 # ------------------------------------------------------------------------------------------------ the adapter

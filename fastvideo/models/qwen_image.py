@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fastvideo import devices
-from fastvideo.models.attention import NPU_ATTENTION_BACKEND, set_attention_backend, set_npu_attention
+from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.flux import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
@@ -493,10 +493,9 @@ class QwenImage(ModelFamily):
 
     # ------------------------------------------------------------------------------------- device, export
     def prepare_for_device(self, transformer, device, *, param_dtype=None, attention_backend="auto"):
-        """No host-to-device copy in the forward (``_no_host_copies``); ``--attention_backend`` where given; on an NPU
-        also its fused attention (bf16/fp16 weights). The rotary
-        tables need no change there: ``QwenEmbedRope`` builds them from float32 angles as complex64 (no float64),
-        though the NPU must then run complex64 products. cuda / cpu with ``auto``: nothing."""
+        """No host-to-device copy in the forward (``_no_host_copies``), then the attention kernel
+        (``choose_attention``). The rotary tables need no change on an NPU: ``QwenEmbedRope`` builds them from
+        float32 angles as complex64 (no float64), though the NPU must then run complex64 products."""
         model = unwrap_model(transformer)
         _no_host_copies(model, device)
         npu = devices.device_type(device) == "npu"
@@ -504,18 +503,7 @@ class QwenImage(ModelFamily):
         if npu:
             done.append("pos_embed: QwenEmbedRope unchanged (complex64 tables from float32 angles, no float64 to "
                         "replace; the NPU runs its complex64 rotary products)")
-        if attention_backend != "auto":
-            used = set_attention_backend(model, attention_backend, device, param_dtype or model_dtype(model))
-            done.append(f"attention backend: {used}" + ("" if used == attention_backend else
-                                                        f" (--attention_backend {attention_backend} unavailable)"))
-        elif npu:
-            dtype = param_dtype or model_dtype(model)
-            if dtype in (torch.bfloat16, torch.float16):
-                done.append(set_npu_attention(model))
-            else:
-                done.append(f"attention backend: default SDPA ({NPU_ATTENTION_BACKEND} needs bf16/fp16 q, k, v; "
-                            f"the weights are {str(dtype).replace('torch.', '')} in the forward)")
-        return done
+        return done + choose_attention(model, device, param_dtype, attention_backend)
 
     def pipeline_class(self) -> type:
         """``QwenImagePipeline`` (its QwenImageLoraLoaderMixin writes and reads LoRA exports)."""
