@@ -468,6 +468,7 @@ class EmbeddingDataset:
         self.model_family: str = m.get("model_family", "flux1")
         self.family: Any = None  # the model family whose ``collate`` shapes a batch (``use``)
         self.with_negative = False  # whether ``get_batch`` adds the negative prompt's rows (``use``)
+        self._negative: dict[str, torch.Tensor] | None = None  # ``negative_rows``, once read
         self.prompts: list[str] = [p["prompt"] for p in self.manifest["prompts"]]
         if len(self.prompts) != self.manifest["num_prompts"]:
             raise ValueError(f"{path} is inconsistent (num_prompts != len(prompts)); re-run preprocess_embeddings.py")
@@ -586,14 +587,17 @@ class EmbeddingDataset:
         return self
 
     def negative_rows(self) -> dict[str, torch.Tensor]:
-        """The negative prompt's embeddings, ``(1, ...)`` per key (``negative.safetensors``)."""
+        """The negative prompt's embeddings, ``(1, ...)`` per key (``negative.safetensors``), read from disk once and
+        kept (every ``get_batch`` of a --cfg_scale run needs them)."""
         from safetensors.torch import load_file
 
-        info = self.manifest.get("negative")
-        if not info:
-            raise ValueError(f"{self.root} holds no negative prompt; re-run preprocess_embeddings.py with "
-                             "--negative_prompt")
-        return load_file(str(resolve_inside(self.root, info["file"], str(self.manifest_path))))
+        if self._negative is None:
+            info = self.manifest.get("negative")
+            if not info:
+                raise ValueError(f"{self.root} holds no negative prompt; re-run preprocess_embeddings.py with "
+                                 "--negative_prompt")
+            self._negative = load_file(str(resolve_inside(self.root, info["file"], str(self.manifest_path))))
+        return self._negative
 
     def get_batch(self, prompt_ids: list[int]) -> dict[str, Any]:
         """Rows for ``prompt_ids`` (repeats allowed): one ``(B, ...)`` tensor per embedding key (FLUX.1:
