@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-NFT_DECAY_SCHEDULES = ("copy", "linear", "delayed")
+NFT_DECAY_SCHEDULES = ("copy", "linear", "delayed", "awm")
 NFT_ADV_MODES = ("all", "positive_only", "negative_only", "binary")
 
 
@@ -57,6 +57,159 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
     return loss, metrics
 
 
+# Policy-loss variants that need the SDE step's Gaussian: the trainer refuses other --sde_type values with the reason.
+POLICY_LOSSES = ("clip", "guard", "dppo")  # GRPO's --policy_loss: grpo_loss, grpo_guard_loss, flow_dppo_loss
+GUARD_SDE_TYPES = ("flow_sde", "dance_sde")
+DPPO_SDE_TYPES = ("flow_sde", "dance_sde", "cps")
+GUARD_SDE_REASONS = {
+    "cps": ("GRPO-Guard needs the full Gaussian log-density log p = mean(-(x'-mean)²/(2·std²)) - log std - ½log 2π of "
+            "a step whose std is s·sqrt(-dt); cps's log_prob drops the 1/(2·std²) factor, so the bias term does not "
+            "cancel the -‖Δmean‖² drift of the log-ratio, and its std (sigma'·sin(a·π/2)) is not s·sqrt(-dt), so the "
+            "1/(-dt) rescale has no meaning (both references run GRPO-Guard on the Flow-GRPO SDE only)"),
+}
+DPPO_SDE_REASONS: dict[str, str] = {}
+
+
+def policy_loss_sde_refusal(loss: str, sde_type: str) -> str | None:
+    """Why --policy_loss ``loss`` (``clip`` / ``guard`` / ``dppo``) cannot train with ``sde_type``, or None when it
+    can."""
+    table = {"clip": (None, {}), "guard": (GUARD_SDE_TYPES, GUARD_SDE_REASONS),
+             "dppo": (DPPO_SDE_TYPES, DPPO_SDE_REASONS)}
+    if loss not in table:
+        raise ValueError(f"unknown policy loss {loss!r}; choose one of {tuple(table)}")
+    supported, reasons = table[loss]
+    if supported is None or sde_type in supported:
+        return None
+    return (f"--policy_loss {loss} does not support --sde_type {sde_type} (supported: {', '.join(supported)}): "
+            + reasons.get(sde_type, "not a Gaussian SDE step with a known std"))
+
+
+def _step_inputs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
+                 old_mean: torch.Tensor, std: torch.Tensor | float):
+    """float32 ``(lp, old, adv, mean_dims((mean - old_mean)²) (B,), std (B,) or 0-d)``; only lp/mean keep graph."""
+    lp = log_prob.to(torch.float32)
+    old = old_log_prob.detach().to(torch.float32)
+    adv = advantages.detach().to(torch.float32)
+    drift = _mean_dims((mean.to(torch.float32) - old_mean.detach().to(torch.float32)).pow(2))
+    return lp, old, adv, drift, _per_sample(std, lp).detach()
+
+
+def _ratio_metrics(r: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"ratio_mean": r.mean(), "ratio_std": r.std(correction=0), "ratio_min": r.min(), "ratio_max": r.max()}
+
+
+def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
+                    old_mean: torch.Tensor, std: torch.Tensor | float, sqrt_neg_dt: torch.Tensor | float,
+                    clip_range: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO-Guard (arXiv 2510.22319): PPO-clipped GRPO on a re-centred, step-normalised ratio.
+
+    Per sample ``i`` (``std_i`` = the std of ``x'`` given ``x`` = ``s·sqrt(-dt)``, i.e. the references'
+    ``sqrt(-dt)·std_dev_t`` with ``std_dev_t`` the noise scale *without* sqrt(-dt)):
+
+    - bias ``b_i = mean_dims((mean_i - old_mean_i)²) / (2·std_i²)`` (a mean over the latent dims, not a sum; it keeps
+      the graph through ``mean``, as in both references)
+    - ratio ``ρ_i = exp((lp_i - old_i + b_i) · std_i)``
+    - ``loss = mean_i( max(-A_i·ρ_i, -A_i·clamp(ρ_i, 1±clip_range)) / sqrt_neg_dt_i² )`` (rescale after the max).
+
+    Why: with ``x' = old_mean + std·ε`` the Gaussian log-ratio is ``mean(ε·Δ)/std - mean(Δ²)/(2std²)``
+    (``Δ = mean - old_mean``): the second term biases every ratio below 1 (more so at small std), so PPO clips
+    positive-advantage samples late and negative ones early. Adding ``b`` removes it and scaling by ``std`` leaves
+    ``log ρ = mean_dims(ε·Δ)`` (unbiased, zero-mean under the rollout noise, comparable across steps); ``1/(-dt)``
+    evens the per-step gradient magnitude. Defined for ``GUARD_SDE_TYPES`` (flow_sde, dance_sde: a Gaussian step
+    with the full log-density and std ∝ sqrt(-dt)); not for cps (``GUARD_SDE_REASONS``). ``std`` must be > 0.
+
+    Inputs: ``log_prob``/``old_log_prob``/``advantages`` (B,); ``mean`` (B, ...) the current policy's step mean
+    (carries the graph), ``old_mean`` (B, ...) the rollout policy's (detached); ``std``/``sqrt_neg_dt`` float, 0-d or
+    (B,). Advantages are used as given (clamp them upstream, REFERENCE §3; verl-omni clamps inside the loss).
+    Recommended ``clip_range`` = 2e-6 (verl-omni docs/algo/grpo_guard.md and
+    examples/grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh: ``clip_ratio=2e-6``), far below GRPO's 1e-4
+    because ``log ρ`` is the log-ratio times ``std``.
+
+    Sources: verl-omni verl_omni/trainer/diffusion/diffusion_algos.py ``GRPOGuardLoss.compute_loss`` (L467-567) and
+    docs/algo/grpo_guard.md; Flow-Factory src/flow_factory/trainers/grpo.py ``GRPOGuardTrainer.optimize`` (L500-510,
+    same ratio ``exp((lp-old)·c + mse/(2c))``, no 1/(-dt) rescale). verl-omni uses the batch means of std_dev_t and
+    sqrt_dt (one shared step); here both are per sample, which is identical when the batch shares a step.
+
+    Metrics: policy_loss (the rescaled loss), clipfrac (``|ρ-1| > clip_range``), ratio_mean/std/min/max (of ρ,
+    population std), approx_kl (``½ mean((lp-old)²)`` of the plain log-ratio, comparable with ``grpo_loss``),
+    guard_bias_mean (mean ``b``).
+    """
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0 (2e-6 is GRPO-Guard's recommended value), got {clip_range}")
+    lp, old, adv, drift, sd = _step_inputs(log_prob, old_log_prob, advantages, mean, old_mean, std)
+    sqdt = _per_sample(sqrt_neg_dt, lp).detach()
+    bias = drift / (2 * sd**2)
+    ratio = torch.exp((lp - old + bias) * sd)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = (torch.maximum(unclipped, clipped) / sqdt**2).mean()
+    r = _d(ratio)
+    metrics = {
+        "policy_loss": _d(loss),
+        "clipfrac": ((r - 1.0).abs() > clip_range).float().mean(),
+        "approx_kl": 0.5 * (_d(lp) - old).pow(2).mean(),
+        **_ratio_metrics(r),
+        "guard_bias_mean": _d(bias).mean(),
+    }
+    return loss, metrics
+
+
+def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
+                   old_mean: torch.Tensor, std: torch.Tensor | float, threshold: float = 1e-5,
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Flow-DPPO (arXiv 2606.11025): an asymmetric divergence mask on ``-A·ρ`` instead of ratio clipping.
+
+    ``ρ = exp(lp - old)``; ``D_i = mean_dims((mean_i - old_mean_i)²) / (2·std_i²)`` with ``std`` the std of ``x'``
+    given ``x`` (verl-omni's ``std_dev_t·sqrt_dt`` with its default ``add_kl_coefficient=True``; a mean over the
+    latent dims): the exact KL between the two steps' Gaussians (same std), per latent element. Sample ``i`` is masked
+    (contributes exactly 0 to the loss and its gradient) when ``D_i >= threshold`` and it still moves away from the
+    rollout policy: ``A_i > 0 and ρ_i > 1`` or ``A_i < 0 and ρ_i < 1``; corrective updates stay.
+    ``loss = mean_i(keep_i · -A_i·ρ_i)`` (divided by B, masked samples included; no clipping; the mask is a
+    detached boolean, so ``ρ`` keeps its gradient wherever kept).
+
+    Why: the PPO ratio of one high-dimensional Gaussian step is a single noisy sample, a poor trust-region proxy;
+    the flow model gives the step's divergence exactly, so the trust region is enforced on ``D`` itself.
+
+    Defined for ``DPPO_SDE_TYPES``: any Gaussian step with a known std shared by both policies (flow_sde,
+    dance_sde, and cps with its std ``sigma'·sin(a·π/2)``: cps's constant-dropped log_prob rescales the log-ratio by
+    ``2·std² > 0`` without changing its sign, so the mask is the same; UniRL normalises cps by its std the same way,
+    unirl/algorithms/base.py ``_transition_sigma``). The published runs used flow_sde. ``std`` must be > 0 (cps's
+    last step, sigma' = 0, has std 0).
+
+    Inputs as ``grpo_guard_loss``. ``threshold`` ε_D > 0: 1e-5 is both the reference default and the recommended
+    value (verl-omni verl_omni/workers/config/diffusion/actor.py ``kl_mask_threshold: float = 1e-5``,
+    docs/algo/flowdppo.md, examples/flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh; UniRL
+    ``FlowDPPOConfig.kl_mask_threshold = 1e-5``). Advantages are used as given (the reference does not clamp them).
+
+    Sources: verl-omni verl_omni/trainer/diffusion/diffusion_algos.py ``FlowDPPOLoss.compute_loss`` (L362-443; the
+    mask is ``D >= threshold`` there and in UniRL, ``>`` in the docs: ``>=`` is used here) and docs/algo/flowdppo.md;
+    UniRL unirl/algorithms/flowdppo.py ``_flowdppo_kl_adv_loss``.
+
+    Metrics: policy_loss, ratio_mean/std/min/max (population std), approx_kl (``½ mean((lp-old)²)``),
+    dppo_divergence_mean (mean ``D``), dppo_masked_frac (share of masked samples) and clipfrac (the same value, so a
+    trainer logs one name for every policy loss).
+    """
+    if threshold <= 0:
+        raise ValueError(f"threshold (Flow-DPPO's divergence bound ε_D) must be > 0 (1e-5 is the reference "
+                         f"default), got {threshold}")
+    lp, old, adv, drift, sd = _step_inputs(log_prob, old_log_prob, advantages, mean, old_mean, std)
+    div = _d(drift) / (2 * sd**2)
+    ratio = torch.exp(lp - old)
+    r = _d(ratio)
+    masked = (div >= threshold) & (((adv > 0) & (r > 1.0)) | ((adv < 0) & (r < 1.0)))
+    loss = torch.where(masked, torch.zeros((), dtype=torch.float32, device=lp.device), -adv * ratio).mean()
+    masked_frac = masked.float().mean()
+    metrics = {
+        "policy_loss": _d(loss),
+        "clipfrac": masked_frac.clone(),
+        "approx_kl": 0.5 * (_d(lp) - old).pow(2).mean(),
+        **_ratio_metrics(r),
+        "dppo_divergence_mean": div.mean(),
+        "dppo_masked_frac": masked_frac,
+    }
+    return loss, metrics
+
+
 def first_update_check(first_ratios: torch.Tensor, clip_range: float) -> tuple[dict[str, torch.Tensor], str | None]:
     """On-policy check (REFERENCE §4): at the first update after a rollout the policy is the rollout policy, so every
     ratio is 1 up to float noise. Returns the metrics ``ratio_first_update`` (mean), ``ratio_first_update_max_dev``
@@ -77,17 +230,18 @@ def first_update_check(first_ratios: torch.Tensor, clip_range: float) -> tuple[d
 
 
 def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std_scale: torch.Tensor | float,
-            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-GRPO's KL to the reference policy: ``mean_B( mean_dims((mean - ref_mean)²) / (2 s²) )``.
 
-    ``std_scale`` is ``s`` (float, 0-d or (B,)): the noise scale without ``sqrt(-dt)``
-    (``schedulers.sde_noise_scale``). ``ref_mean`` is detached. Metric: kl.
+    ``std_scale`` is ``s`` (float, 0-d or (B,)): the KL noise scale (``schedulers.sde_noise_scale``, by --kl_form).
+    ``ref_mean`` is detached. ``weights`` (B,), if given, replaces the mean by ``sum(weights * per-sample KL)`` (a
+    trainer training a weighted selection of samples, padding at weight 0). Metric: kl.
     """
     m = mean.to(torch.float32)
     ref = ref_mean.detach().to(torch.float32)
     s = torch.as_tensor(std_scale, dtype=torch.float32, device=m.device).detach().reshape(-1)
     per_sample = _mean_dims((m - ref).pow(2)) / (2 * s**2)
-    loss = per_sample.mean()
+    loss = per_sample.mean() if weights is None else (weights.to(per_sample) * per_sample).sum()
     return loss, {"kl": _d(loss)}
 
 
@@ -220,7 +374,8 @@ def nft_old_decay(step: int, schedule: str) -> float:
     """Decay ``d`` of the old-policy update ``old <- d*old + (1-d)*theta`` after training step ``step``.
 
     ``copy``: 0; ``linear``: ``min(0.001*step, 0.5)``; ``delayed``: 0 before step 75, then
-    ``min(0.0075*(step-75), 0.999)``.
+    ``min(0.0075*(step-75), 0.999)``; ``awm``: ``min(0.001*step, 0.3)`` (AWM's KL-anchor policy:
+    scxue/advantage_weighted_matching train_sd3_awm.py, kl_ema_decay_type "linear", kl_ema_decay 0.3).
     """
     if schedule == "copy":
         return 0.0
@@ -228,4 +383,108 @@ def nft_old_decay(step: int, schedule: str) -> float:
         return min(0.001 * step, 0.5)
     if schedule == "delayed":
         return 0.0 if step < 75 else min(0.0075 * (step - 75), 0.999)
+    if schedule == "awm":
+        return min(0.001 * step, 0.3)
     raise ValueError(f"unknown old-policy decay schedule {schedule!r}; choose one of {NFT_DECAY_SCHEDULES}")
+
+
+# ---- Advantage Weighted Matching (AWM; Xue et al., arXiv:2509.25050) -----------------------------------------------
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
+
+
+def awm_log_prob(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor | float, *,
+                 weighting: str = "ghuber", ghuber_power: float = 0.25) -> torch.Tensor:
+    """AWM's per-sample log-likelihood proxy ``-w(l, t)`` (B,) float32 of the velocity ``v`` predicted at
+    ``x_t = (1-t) x0 + t eps``: ``l = mean_dims((v - (eps - x0))²)`` (the flow-matching loss) under ``weighting``:
+    uniform ``l`` | t ``t l`` | t2 ``t² l`` | huber ``t (sqrt(l + 1e-10) - 1e-5)`` | ghuber
+    ``t/p ((l + 1e-10)^p - 1e-10^p)`` with ``p = ghuber_power``. Only ``v`` keeps its graph. Source:
+    scxue/advantage_weighted_matching scripts/train_sd3_awm.py ``compute_log_prob_awm`` (= X-GenGroup/Flow-Factory
+    src/flow_factory/trainers/awm.py ``compute_weighted_log_prob``; both compute it in float64, we in float32)."""
+    err = flow_matching_error(v, eps.detach().to(torch.float32) - x0.detach().to(torch.float32))  # (B,)
+    tt = _per_sample(t, err).detach()
+    if weighting == "uniform":
+        w = err
+    elif weighting == "t":
+        w = tt * err
+    elif weighting == "t2":
+        w = tt.pow(2) * err
+    elif weighting == "huber":
+        w = tt * (torch.sqrt(err + 1e-10) - 1e-5)
+    elif weighting == "ghuber":
+        if ghuber_power <= 0:
+            raise ValueError(f"ghuber_power must be > 0, got {ghuber_power}")
+        w = tt / ghuber_power * ((err + 1e-10).pow(ghuber_power) - 1e-10 ** ghuber_power)
+    else:
+        raise ValueError(f"unknown AWM weighting {weighting!r}; choose one of {AWM_WEIGHTINGS}")
+    return -w
+
+
+def awm_advantages(advantages: torch.Tensor, adv_clip_max: float = 5.0, advantage_max: float = 1.0) -> torch.Tensor:
+    """AWM's advantage weights ``clamp(A, ±adv_clip_max) / adv_clip_max * advantage_max`` (float32, detached, NaN ->
+    0), as train_sd3_awm.py (config.train.adv_clip_max 5, config.train.advantage_max 1: weights in [-1, 1])."""
+    if adv_clip_max <= 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+    a = torch.nan_to_num(advantages.detach().to(torch.float32), nan=0.0)
+    return a.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max
+
+
+def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor | float,
+             advantages: torch.Tensor, *, old_log_prob: torch.Tensor | None = None, weighting: str = "ghuber",
+             ghuber_power: float = 0.25, clip_range: float = 1.0, adv_clip_max: float = 5.0,
+             advantage_max: float = 1.0, v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
+             v_old: torch.Tensor | None = None, old_kl_beta: float = 0.0, keep: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Advantage Weighted Matching (Xue et al., arXiv:2509.25050): the flow-matching loss of the policy on its own
+    samples ``x0``, weighted by their group advantages, in the PPO-clipped form of the published code.
+
+    ``lp = awm_log_prob(v_theta, x0, eps, t)`` (B,); ``old`` = ``old_log_prob`` (detached) or, if None, ``lp``
+    detached (the trained policy sampled the rollout: ratio == 1, and the gradient is exactly that of
+    ``mean(a * w(l, t))``, the advantage-weighted matching loss: a positive advantage pulls ``v_theta`` towards the
+    target ``eps - x0``, a negative one pushes it away); ``ratio = exp(lp - old)``; ``a = awm_advantages(A)``;
+    ``policy = mean(max(-a ratio, -a clamp(ratio, 1 - clip_range, 1 + clip_range)))``;
+    ``loss = policy + kl_beta mean(mean_dims((v_theta - v_ref)²)) + old_kl_beta mean(mean_dims((v_theta - v_old)²))``
+    (each distance when its velocity is given). ``t`` a float, 0-d or (B,); ``keep`` (B,) bool as in ``nft_loss`` (a
+    dropped sample adds exactly 0; the batch mean still divides by B). Sources: scxue/advantage_weighted_matching
+    scripts/train_sd3_awm.py (loss_type "exp_first", config.train.advantage_max, clip_range, beta and ema_beta with
+    kl_weight "Uniform"); X-GenGroup/Flow-Factory src/flow_factory/trainers/awm.py ``AWMTrainer.optimize`` (kl_beta,
+    ema_kl_beta). Metrics (means over the kept samples): policy_loss, kl_loss, old_kl_loss, matching_loss (l),
+    weighted_matching (w), ratio_mean, clipfrac (``|ratio-1| > clip_range``), approx_kl (``½ (lp-old)²``).
+    """
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    kept = None if keep is None else keep.to(v_theta.device)
+
+    def mask(x: torch.Tensor) -> torch.Tensor:  # a dropped sample's rows -> 0: exactly 0 in loss and gradient
+        return x if kept is None else torch.where(kept.reshape(-1, *[1] * (x.ndim - 1)), x, 0.0)
+
+    # masked before any arithmetic, so a dropped sample's non-finite latents or velocity (a NaN image) reach nothing
+    vt, x0f, epsf = (mask(x.to(torch.float32)) for x in (v_theta, x0.detach(), eps.detach()))
+    lp = awm_log_prob(vt, x0f, epsf, t, weighting=weighting, ghuber_power=ghuber_power)  # (B,)
+    old = lp.detach() if old_log_prob is None else mask(old_log_prob.detach().to(torch.float32).reshape(lp.shape))
+    a = awm_advantages(advantages, adv_clip_max, advantage_max).to(lp.device)
+    count = float(lp.shape[0]) if kept is None else kept.sum().clamp(min=1).to(torch.float32)
+
+    def kept_mean(x: torch.Tensor) -> torch.Tensor:  # metrics: no boolean indexing (a host sync on a GPU)
+        return mask(_d(x)).sum() / count
+
+    ratio = torch.exp(lp - old)
+    per_sample = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    policy = mask(per_sample).mean()
+    loss = policy
+    distances = {}
+    for name, v_other, weight in (("kl_loss", v_ref, kl_beta), ("old_kl_loss", v_old, old_kl_beta)):
+        distances[name] = torch.zeros((), dtype=torch.float32, device=lp.device)
+        if v_other is not None:
+            distances[name] = mask(_mean_dims((vt - mask(v_other.detach().to(torch.float32))).pow(2))).mean()
+            loss = loss + weight * distances[name]
+    r = _d(ratio)
+    metrics = {
+        "policy_loss": _d(policy),
+        **{name: _d(value) for name, value in distances.items()},
+        "matching_loss": kept_mean(flow_matching_error(_d(vt), epsf - x0f)),
+        "weighted_matching": kept_mean(-lp),
+        "ratio_mean": kept_mean(r),
+        "clipfrac": kept_mean(((r - 1.0).abs() > clip_range).float()),
+        "approx_kl": kept_mean(0.5 * (_d(lp) - old).pow(2)),
+    }
+    return loss, metrics
