@@ -112,19 +112,32 @@ def _flow_sde_scale(sigma: torch.Tensor, eta: float, sigma_max: Sigma | None) ->
     return torch.sqrt(sigma / (1 - denom_sigma)) * eta
 
 
-def sde_noise_scale(sigma: Sigma, sigma_next: Sigma, *, sde_type: str = "flow_sde", eta: float,
-                    sigma_max: Sigma | None = None) -> torch.Tensor:
-    """The noise scale ``s = std / sqrt(sigma - sigma_next)`` the KL of REFERENCE §4 divides by (float32, 0-d or (B,)).
+KL_FORMS = ("per_unit_time", "reference")
 
-    flow_sde: Flow-GRPO's ``s`` (std without sqrt(-dt)); dance_sde: ``eta``; cps: ``std / sqrt(-dt)``
-    (Flow-GRPO's cps KL uses the std itself; here all three follow REFERENCE's definition).
+
+def sde_noise_scale(sigma: Sigma, sigma_next: Sigma, *, sde_type: str = "flow_sde", eta: float,
+                    sigma_max: Sigma | None = None, kl_form: str = "per_unit_time") -> torch.Tensor:
+    """The noise scale ``s`` the KL of REFERENCE §4 divides by, ``mean_dims((mu - mu_ref)²) / (2 s²)`` (float32, 0-d
+    or (B,)).
+
+    ``kl_form="per_unit_time"`` (default): ``s = std / sqrt(sigma - sigma_next)``: flow_sde: Flow-GRPO's ``s`` (std
+    without sqrt(-dt)); dance_sde: ``eta``; cps: ``std / sqrt(-dt)``. ``kl_form="reference"``: the ``std_dev_t``
+    that Flow-GRPO's and verl-omni's step functions return and their KL divides by: flow_sde the same ``s``;
+    dance_sde and cps the step's full std, ``eta*sqrt(sigma - sigma_next)`` and ``sigma_next*sin(eta*pi/2)`` (bit for
+    bit ``sde_step_with_logprob``'s std): their KL is the per-unit-time one divided by ``sigma - sigma_next``.
     """
     _check_sde(sde_type, eta)
+    if kl_form not in KL_FORMS:
+        raise ValueError(f"kl_form must be one of {KL_FORMS}, got {kl_form!r}")
     sig = torch.as_tensor(sigma, dtype=torch.float32)
     sig_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=sig.device)
     sig, sig_next = torch.broadcast_tensors(sig, sig_next)
     if sde_type == "flow_sde":
         return _flow_sde_scale(sig, eta, sigma_max)
+    if kl_form == "reference":
+        if sde_type == "dance_sde":
+            return eta * torch.sqrt(sig - sig_next)
+        return sig_next * math.sin(eta * math.pi / 2)
     if sde_type == "dance_sde":
         return torch.full_like(sig, float(eta))
     return sig_next * math.sin(eta * math.pi / 2) / torch.sqrt(sig - sig_next)
@@ -180,6 +193,30 @@ def sde_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, sigm
     else:
         log_prob = -(diff**2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     return prev_sample, _mean_dims(log_prob), mean, _per_sample(std, batch)
+
+
+
+
+def training_sigma_table(shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """(N,) float32: ``FlowMatchEulerDiscreteScheduler(num_train_timesteps=N, shift=shift).sigmas`` as constructed
+    (no ``set_timesteps``): ``t = linspace(1, N, N)[::-1] / N`` (1 down to 1/N, no final 0), statically shifted in
+    float32 (``shift=1``: unshifted, which is also what a scheduler with ``use_dynamic_shifting`` holds). SD3/SD3.5:
+    shift 3."""
+    n = int(num_train_timesteps)
+    if n < 1 or not shift > 0:
+        raise ValueError(f"need num_train_timesteps >= 1 and shift > 0, got {num_train_timesteps} and {shift}")
+    t = torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n
+    return t if shift == 1 else static_shift(t, float(shift))
+
+
+def table_sigma(u: torch.Tensor, *, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """Flow-GRPO's SD3 DPO sigma (``scripts/train_sd3_dpo.py``) for ``u`` in (0, 1) (any shape): the index
+    ``(u * N).long()`` (float32, truncated; clamped to N-1 where float32 rounds u to 1) into
+    ``training_sigma_table(shift, N)``, so sigma = shift(1 - floor(N*u)/N): a logit-normal u gives a shifted,
+    discretised sigma whose unshifted time is about 1 - u."""
+    table = training_sigma_table(shift, num_train_timesteps)
+    idx = (u.to(torch.float32) * int(num_train_timesteps)).long().clamp(0, int(num_train_timesteps) - 1)
+    return table.to(u.device)[idx]
 
 
 def ode_step(model_output: torch.Tensor, sample: torch.Tensor, sigma: Sigma, sigma_next: Sigma) -> torch.Tensor:
