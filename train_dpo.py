@@ -28,6 +28,7 @@ from fastvideo.losses import dpo_loss, dpo_pair_metrics
 from fastvideo.memory import plan_dpo
 from fastvideo.preference import LatentCache, read_preference_file
 from fastvideo.rollout import pair_errors, pair_noise, rollout
+from fastvideo.schedulers import table_sigma
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,6 +152,8 @@ def update_policy(run: training.Run, pair_batch: dict, x0_w: torch.Tensor, x0_l:
     # one (eps, sigma) per (pair, draw) item: (m*K, L, C), (m*K,)
     eps, sigma = pair_noise(run.noise, tuple(x0_w.shape[1:]), step, [pair_keys[i] for i in rows.tolist()],
                             draws=torch.arange(draws).repeat_interleave(trained).tolist())
+    if args.dpo_sigma_shift is not None:  # Flow-GRPO's SD3 DPO: the same u through the shifted training sigma table
+        sigma = table_sigma(sigma, shift=args.dpo_sigma_shift)
     velocity = dict(guidance=args.guidance_scale, autocast_dtype=run.amp_dtype)
     item_weights = devices.to_device(out.item_weights, device)  # once: the loop below never syncs
     micro_batches = torch.arange(len(rows)).split(args.train_batch_size)

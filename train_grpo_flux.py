@@ -2,7 +2,8 @@
 
 One step: sample prompts -> batched SDE rollout with log-probs -> decode -> reward -> gather and
 group advantages -> for every micro-batch and trained timestep, replay the step with the current
-policy and back-propagate the clipped ratio loss -> clip grads -> optimizer step -> log/checkpoint.
+policy and back-propagate the policy loss (PPO clip, GRPO-Guard or Flow-DPPO) -> clip grads -> optimizer step ->
+log/checkpoint.
 
     torchrun --nproc_per_node 8 train_grpo_flux.py --pretrained_model_name_or_path FLUX.1-dev \
         --data_json_path data/embeddings/manifest.json --output_dir outputs/grpo ...
@@ -18,9 +19,9 @@ import torch
 from fastvideo import devices, errors, training
 from fastvideo import distributed as D
 from fastvideo.config import parse_grpo_args, validate_grpo
-from fastvideo.losses import first_update_check, grpo_loss, kl_loss
+from fastvideo.losses import first_update_check, flow_dppo_loss, grpo_guard_loss, grpo_loss, kl_loss
 from fastvideo.memory import plan_grpo
-from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps
+from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps, window_position
 from fastvideo.training import rank_mean
 
 
@@ -49,7 +50,7 @@ def train(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         policy.model.eval()
         traj = rollout(policy.model, vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                       device=device, autocast_dtype=amp_dtype)
+                       device=device, autocast_dtype=amp_dtype, keep_means=args.policy_loss != "clip")
         policy.model.train()
         t_rollout = time.perf_counter() - t0
 
@@ -59,17 +60,22 @@ def train(args: argparse.Namespace) -> None:
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
 
-        # ---- 4. policy update: micro-batches x trained timesteps, clipped ratio loss --------------
+        # ---- 4. policy update: micro-batches x trained timesteps, --policy_loss (+ KL) --------------
         t0 = time.perf_counter()
-        upd = update_policy(run, traj, batch, samples, advantages, step)
+        upd = update_policy(run, traj, batch, samples, advantages, step, adv_all)
         t_train = time.perf_counter() - t0
 
         # ---- 5. metrics, samples, checkpoint ------------------------------------------------------
-        host = training.to_host({"ratio": torch.cat(upd.ratios), "first": torch.cat(upd.first_ratios),
-                                 "diff": torch.cat(upd.log_diffs), "loss": upd.losses, "kl": upd.kls,
-                                 "clipfrac": upd.clipfracs})  # one device->host copy for the step's metrics
-        ratio_all, first_all, diff_all = (D.gather_samples(host[k]) for k in ("ratio", "first", "diff"))
-        first_metrics, ratio_warning = first_update_check(first_all, args.clip_range)  # on-policy check
+        host = training.to_host({"ratio": cat(upd.ratios), "diff": cat(upd.log_diffs), "loss": upd.losses,
+                                 "kl": upd.kls, "clipfrac": upd.clipfracs, **upd.extra})  # one device->host copy
+        real, first = (D.gather_samples(cat(m).to(torch.uint8)).bool() for m in (upd.real, upd.first))
+        ratio_all, diff_all = (D.gather_samples(host.get(k, torch.ones(0)))[real] for k in ("ratio", "diff"))
+        first_ratios = ratio_all[first[real]]
+        if not len(first_ratios):  # no update this step (every sample dropped): NaN ratio metrics
+            ratio_all = diff_all = first_ratios = torch.full((1,), float("nan"))
+        first_metrics, ratio_warning = first_update_check(first_ratios, args.clip_range)  # on-policy check
+        for name in ("loss", "clipfrac", *LOSS_METRICS[args.policy_loss]):  # no update (all samples dropped): 0
+            host.setdefault(name, torch.zeros(upd.timesteps.shape[1]))
         step_time = t_rollout + t_reward + t_train
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
@@ -80,7 +86,11 @@ def train(args: argparse.Namespace) -> None:
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
             "ratio_max": ratio_all.max(), **first_metrics,
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
-            "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms), "trained_timesteps": upd.timesteps.shape[1],
+            **{k: rank_mean(host[k]) for k in LOSS_METRICS[args.policy_loss]}, **({"kept_frac": upd.kept_frac}
+                                                              if args.drop_zero_advantage else {}),
+            "grad_norm": sum(upd.grad_norms) / max(len(upd.grad_norms), 1),
+            "trained_timesteps": upd.timesteps.shape[1],
+            **({"window_start": window_position(rollout_cfg, step)} if args.sde_window_schedule != "random" else {}),
             "time_rollout": traj.timings.get("sample", t_rollout), "time_decode": traj.timings.get("decode", 0.0),
             "time_reward": t_reward, "time_train": t_train, "time_step": step_time,
             "samples_per_s": counts["samples_per_step"] / step_time,
@@ -96,11 +106,18 @@ def train(args: argparse.Namespace) -> None:
     run.finish()
 
 
+def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` that also takes an empty list (a step whose samples --drop_zero_advantage all dropped)."""
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
 @dataclass
 class Update:
     """What one rollout's policy update produced, per (micro-batch, trained timestep) in order: the step's trained
-    timesteps (B, K), detached ratios / log-ratio / loss / KL / clipfrac, the ratios before the first optimizer step
-    (the on-policy check), and each optimizer step's gradient norm."""
+    timesteps (B, K), detached ratios / log-ratio / loss / KL / clipfrac, which entries are real samples (False for a
+    rank's padding at weight 0), whether each was before the first optimizer step (the on-policy check), the policy
+    loss's own metrics (GRPO-Guard's bias, Flow-DPPO's divergence and mask), each optimizer step's gradient norm and
+    the share of the step's samples trained (--drop_zero_advantage)."""
 
     timesteps: torch.Tensor
     ratios: list[torch.Tensor] = field(default_factory=list)
@@ -108,51 +125,112 @@ class Update:
     losses: list[torch.Tensor] = field(default_factory=list)
     kls: list[torch.Tensor] = field(default_factory=list)
     clipfracs: list[torch.Tensor] = field(default_factory=list)
-    first_ratios: list[torch.Tensor] = field(default_factory=list)
+    real: list[torch.Tensor] = field(default_factory=list)
+    first: list[torch.Tensor] = field(default_factory=list)
+    extra: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+    kept_frac: float = 1.0
 
 
-def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, step: int) -> Update:
-    """For every micro-batch of --train_batch_size samples and every trained timestep: replay the step with the
-    current policy, back-propagate the clipped ratio loss (+ kl_beta x KL to the reference), scaled by 1/(accumulated
-    micro-batches x timesteps); an optimizer step every --gradient_accumulation_steps micro-batches."""
+LOSS_METRICS = {"clip": (), "guard": ("guard_bias_mean",), "dppo": ("dppo_divergence_mean", "dppo_masked_frac")}
+
+
+def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | None, step: int,
+                   ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor | None]]], float]:
+    """This rank's optimizer steps of the rollout, each a list of micro-batches ``(local sample indices (b,), loss
+    weights (b,) or None)``, and the share of the step's samples trained.
+
+    Default: its samples in prompt-group order, --train_batch_size at a time, --gradient_accumulation_steps micro-
+    batches per optimizer step, weights None (each micro-batch's loss is its mean). --shuffle_micro_batches (a keyed
+    permutation of the gathered batch) and --drop_zero_advantage (only samples with A != 0, Flow-GRPO) cut the
+    step's global training order into optimizer steps with ``advantages.share_samples``: each rank trains its own
+    samples of each, padded at weight 0 to the same count, real samples at weights that make the loss the mean over
+    the optimizer step's samples, whatever the world size."""
+    from fastvideo.advantages import share_samples, shuffle_order
+
+    args, counts = run.args, run.counts
+    tbs, accum = args.train_batch_size, counts["gradient_accumulation_steps"]
+    if not (args.drop_zero_advantage or args.shuffle_micro_batches):
+        micro = [(idx, None) for idx in torch.arange(num_samples).split(tbs)]
+        return [micro[c:c + accum] for c in range(0, len(micro), accum)], 1.0
+    if adv_all is None:
+        raise ValueError("--shuffle_micro_batches / --drop_zero_advantage order the gathered batch: pass adv_all")
+    total = len(adv_all)
+    order = shuffle_order(run.noise, step, total) if args.shuffle_micro_batches else torch.arange(total)
+    if args.drop_zero_advantage:
+        order = order[adv_all.cpu()[order] != 0]
+    rank = run.dist.dp_rank
+    chunks = share_samples(order, rank, run.dist.dp_size, owners=torch.arange(total) // num_samples,
+                           num_chunks=counts["optimizer_steps_per_rollout"])
+    steps = [[(p - rank * num_samples, w) for p, w in zip(pos.split(tbs), weights.split(tbs))]
+             for pos, weights in chunks]
+    return steps, len(order) / total
+
+
+def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tensor, log_prob: torch.Tensor,
+                mean: torch.Tensor, std: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """--policy_loss of one replayed step: clip (``grpo_loss``), guard (``grpo_guard_loss``: the rollout's mean and
+    sqrt(-dt) too) or dppo (``flow_dppo_loss``)."""
+    old_log_prob = traj.log_probs[idx, j]
+    if args.policy_loss == "clip":
+        return grpo_loss(log_prob, old_log_prob, adv, args.clip_range)
+    old_mean = traj.means[idx, j]
+    if args.policy_loss == "guard":
+        return grpo_guard_loss(log_prob, old_log_prob, adv, mean, old_mean, std, traj.sqrt_neg_dt(j), args.clip_range)
+    return flow_dppo_loss(log_prob, old_log_prob, adv, mean, old_mean, std, args.dppo_threshold)
+
+
+def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, step: int,
+                  adv_all: torch.Tensor | None = None) -> Update:
+    """For every optimizer step of ``training_order``, every micro-batch and every trained timestep: replay the step
+    with the current policy and back-propagate the policy loss (--policy_loss) + kl_beta x KL to the reference,
+    scaled by 1/(accumulated micro-batches x timesteps) (weighted micro-batches: the weighted sum over 1/timesteps);
+    an optimizer step after each. ``adv_all``: the gathered advantages (P*G,), needed by the two switches."""
     args, policy, amp_dtype = run.args, run.policy, run.amp_dtype
     geometry, rollout_cfg = run.geometry, training.rollout_config(args)
     timesteps = select_trained_timesteps(traj, samples.prompt_ids, samples.sample_indices, step, run.noise,
-                                         timestep_fraction=args.timestep_fraction)  # (B, K)
+                                         timestep_fraction=args.timestep_fraction,
+                                         selection=args.timestep_selection)  # (B, K)
     num_trained = timesteps.shape[1]
-    accum = run.counts["gradient_accumulation_steps"]
-    scale = 1.0 / (accum * num_trained)
-    out = Update(timesteps=timesteps)
+    optimizer_steps, kept_frac = training_order(run, len(samples.prompt_ids), adv_all, step)
+    out = Update(timesteps=timesteps, kept_frac=kept_frac)
     run.optimizer.zero_grad(set_to_none=True)
     timesteps_dev = devices.to_device(timesteps, run.device)  # once per step: the loop below never syncs
-    micro_batches = torch.arange(len(samples.prompt_ids)).split(args.train_batch_size)
-    for mb_index, idx_cpu in enumerate(micro_batches):
-        idx = devices.to_device(idx_cpu, run.device)
-        adv_mb = advantages[idx]
-        for k in range(num_trained):
-            j = timesteps_dev[idx, k]
-            log_prob, mean, std = replay_log_prob(policy.model, traj, idx, j, batch, rollout_cfg, geometry,
-                                                  autocast_dtype=amp_dtype)
-            old_log_prob = traj.log_probs[idx, j]
-            loss, m = grpo_loss(log_prob, old_log_prob, adv_mb, args.clip_range)
-            if args.kl_beta > 0:
-                with torch.no_grad(), policy.reference() as ref_model:
-                    _, ref_mean, _ = replay_log_prob(ref_model, traj, idx, j, batch, rollout_cfg, geometry,
-                                                     autocast_dtype=amp_dtype)
-                kl, _ = kl_loss(mean, ref_mean, traj.noise_scale(j))
-                loss = loss + args.kl_beta * kl
-                out.kls.append(kl.detach())
-            run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
-            ratio = torch.exp(log_prob.detach() - old_log_prob)
-            out.ratios.append(ratio)
-            out.log_diffs.append(log_prob.detach() - old_log_prob)
-            out.losses.append(loss.detach())
-            out.clipfracs.append(m["clipfrac"])
-            if mb_index < accum:  # before the first optimizer step of this rollout
-                out.first_ratios.append(ratio)
-        if (mb_index + 1) % accum == 0:
-            out.grad_norms.append(run.optimizer_step())
+    for opt_index, micro_batches in enumerate(optimizer_steps):
+        if not micro_batches:
+            continue  # --drop_zero_advantage left this optimizer step no sample (on every rank): no update
+        scale = 1.0 / ((len(micro_batches) if micro_batches[0][1] is None else 1) * num_trained)
+        for mb_index, (idx_cpu, weights_cpu) in enumerate(micro_batches):
+            idx = devices.to_device(idx_cpu, run.device)
+            adv_mb = advantages[idx]
+            weights = None if weights_cpu is None else devices.to_device(weights_cpu, run.device)
+            if weights is not None:  # the losses are linear in A >= 0 scalings: mean(w b A ...) = sum(w A ...)
+                adv_mb = adv_mb * weights * len(idx_cpu)
+            real = torch.ones(len(idx_cpu), dtype=torch.bool) if weights_cpu is None else weights_cpu > 0
+            for k in range(num_trained):
+                j = timesteps_dev[idx, k]
+                log_prob, mean, std = replay_log_prob(policy.model, traj, idx, j, batch, rollout_cfg, geometry,
+                                                      autocast_dtype=amp_dtype)
+                loss, m = policy_loss(args, traj, idx, j, log_prob, mean, std, adv_mb)
+                if args.kl_beta > 0:
+                    with torch.no_grad(), policy.reference() as ref_model:
+                        _, ref_mean, _ = replay_log_prob(ref_model, traj, idx, j, batch, rollout_cfg, geometry,
+                                                         autocast_dtype=amp_dtype)
+                    kl, _ = kl_loss(mean, ref_mean, traj.noise_scale(j, args.kl_form), weights=weights)
+                    loss = loss + args.kl_beta * kl
+                    out.kls.append(kl.detach())
+                last = mb_index == len(micro_batches) - 1 and k == num_trained - 1
+                run.backward(loss * scale, last_backward=last)
+                log_diff = log_prob.detach() - traj.log_probs[idx, j]
+                out.ratios.append(torch.exp(log_diff))
+                out.log_diffs.append(log_diff)
+                out.losses.append(loss.detach())
+                out.clipfracs.append(m["clipfrac"])
+                out.real.append(real)
+                out.first.append(torch.full((len(idx_cpu),), opt_index == 0))  # before the first optimizer step
+                for name in LOSS_METRICS[args.policy_loss]:
+                    out.extra.setdefault(name, []).append(m[name])
+        out.grad_norms.append(run.optimizer_step())
     return out
 
 

@@ -1,11 +1,18 @@
-"""DiffusionNFT post-training of a FLUX transformer (REFERENCE §6), torchrun + FSDP2.
+"""DiffusionNFT (REFERENCE §6) or, with --objective awm, Advantage Weighted Matching (AWM, arXiv:2509.25050)
+post-training of a FLUX transformer, torchrun + FSDP2.
 
-One step: prompts -> batched deterministic rollout with the *old* policy (--solver euler | dpm2; no classifier-free
-guidance), keeping each sample's clean latent x0 -> decode -> reward -> gather over ranks -> group advantages ->
-optimality r (--adv_mode) -> for every micro-batch and trained sigma t (int(S x --timestep_fraction) of the sampling
-grid, in a per-sample random order, fresh noise each): x_t = (1-t) x0 + t eps, v_old (old policy) and v_ref
-(reference, with --kl_beta) without grad, v_theta with grad -> NFT loss in x0 space -> backward -> optimizer step(s)
--> every --old_update_interval steps old <- d old + (1-d) theta (--old_decay_schedule).
+One step: prompts -> batched deterministic rollout (--solver euler | dpm2; no classifier-free guidance) with the *old*
+policy (NFT; AWM with --awm_off_policy) or the trained one (AWM), keeping each sample's clean latent x0 -> decode ->
+reward -> gather over ranks -> group advantages (NFT: -> optimality r, --adv_mode) -> for every micro-batch and trained
+sigma t (NFT: int(S x --timestep_fraction) of the sampling grid in a per-sample random order; AWM: --awm_timesteps, one
+per stratum of that range), fresh noise each: x_t = (1-t) x0 + t eps, v_old (old policy, when kept) and v_ref
+(reference, with --kl_beta) without grad, v_theta with grad -> the objective's loss (NFT: in x0 space; AWM: the
+advantage-weighted flow-matching loss ||v_theta - (eps - x0)||², PPO-clipped) -> backward -> optimizer step(s) -> every
+--old_update_interval steps old <- d old + (1-d) theta (--old_decay_schedule).
+
+AWM is a flag of this script, not a script of its own: it shares every phase with DiffusionNFT (rollout, reward,
+group advantages, forward-process update over micro-batches x sigmas, the old policy as a slow EMA of theta, the
+checkpoint of that old policy) and differs only in the loss, the timestep draw and which policy samples.
 
     torchrun --nproc_per_node 8 train_nft.py --pretrained_model_name_or_path FLUX.1-dev \
         --data_json_path data/embeddings/manifest.json --output_dir outputs/nft --lora_rank 32 ...
@@ -13,16 +20,17 @@ grid, in a per-sample random order, fresh noise each): x_t = (1-t) x0 + t eps, v
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from fastvideo import devices, errors, models, training
-from fastvideo.config import parse_nft_args, validate_nft
-from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
+from fastvideo.config import nft_uses_old_policy, parse_nft_args, validate_nft
+from fastvideo.losses import awm_log_prob, awm_loss, nft_advantages, nft_loss, nft_old_decay, nft_optimality
 from fastvideo.memory import plan_nft
-from fastvideo.rollout import forward_noise, model_velocity, nft_timesteps, rollout
+from fastvideo.rollout import awm_timesteps, forward_noise, model_velocity, nft_timesteps, rollout
 from fastvideo.training import rank_mean
 
 
@@ -37,38 +45,39 @@ def train(args: argparse.Namespace) -> None:
     geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
 
     # ---- reward, policy + old policy (+ reference), optimizer; resume -----------------------------
-    run.load_models(reward=True, need_reference=args.kl_beta > 0, old_policy=True,
+    run.load_models(reward=True, need_reference=args.kl_beta > 0, old_policy=nft_uses_old_policy(args),
                     optimizer_steps=args.max_train_steps * counts["optimizer_steps_per_rollout"])
-    policy, old = run.policy, run.policy.old
+    policy, old = run.policy, run.policy.old  # old: None for AWM without --old_kl_beta / --awm_off_policy
+    samples_with_old = args.objective == "nft" or args.awm_off_policy
     start_step = run.resume(sampler=sampler)
 
     for step in range(start_step + 1, args.max_train_steps + 1):
         samples = sampler.next()
         batch = training.batch_to(dataset.get_batch(samples.prompt_ids), device)
 
-        # ---- 1. rollout with the old policy: deterministic, no grad; keep x0 ---------------------------
+        # ---- 1. rollout with the old policy (AWM on-policy: theta): deterministic, no grad; keep x0 ----------
         policy.model.eval()
-        with old.active() as old_model:
-            traj = rollout(old_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
+        with (old.active() if samples_with_old else contextlib.nullcontext(policy.model)) as sampling_model:
+            traj = rollout(sampling_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
                            device=device, autocast_dtype=amp_dtype, keep_latents=False)
         policy.model.train()
 
         # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) ---------------------------------
         all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
 
-        # ---- 3. group advantages on the global batch -> optimality r ------------------------------------
+        # ---- 3. group advantages on the global batch (NFT: -> optimality r in its loss) --------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
-        advantages = nft_advantages(advantages, args.adv_mode, args.adv_clip_max)  # (B,) this rank's
+        advantages = nft_advantages(advantages, args.adv_mode, args.adv_clip_max)  # (B,) this rank's; AWM: mode all
         keep = run.local(all_rewards["total"].isfinite())  # (B,) False: dropped for a non-finite reward
 
-        # ---- 4. forward-process update: micro-batches x trained sigmas, loss in x0 space ---------------
+        # ---- 4. forward-process update: micro-batches x trained sigmas, the objective's loss --------------
         t0 = time.perf_counter()
         upd = update_policy(run, traj, batch, samples, advantages, keep, step)
 
         # ---- 5. the old policy follows: old <- d*old + (1-d)*theta -----------------------------------
         optimizer_steps = step * counts["optimizer_steps_per_rollout"]
         old_decay = nft_old_decay(optimizer_steps, args.old_decay_schedule)
-        if step % args.old_update_interval == 0:
+        if old is not None and step % args.old_update_interval == 0:
             old.update(old_decay)
         t_train = time.perf_counter() - t0
 
@@ -76,13 +85,12 @@ def train(args: argparse.Namespace) -> None:
         t_rollout, t_decode = traj.timings["sample"], traj.timings["decode"]
         step_time = t_rollout + t_decode + t_reward + t_train
         host = training.to_host(upd.logs)  # one device->host copy for the step's metrics
-        r_all = nft_optimality(nft_advantages(adv_all, args.adv_mode, args.adv_clip_max), args.adv_clip_max)
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
             **training.reward_metrics(all_rewards),
             **{name: rank_mean(values) for name, values in host.items()},
-            "r_mean": r_all.mean(), "r_std": r_all.std(unbiased=False),
-            "old_decay": old_decay, "old_updates": old.num_updates,
+            **optimality_metrics(args, adv_all),
+            **({"old_decay": old_decay, "old_updates": old.num_updates} if old is not None else {}),
             "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms), "trained_timesteps": upd.timesteps.shape[1],
             "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
             "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
@@ -94,60 +102,139 @@ def train(args: argparse.Namespace) -> None:
     run.finish()
 
 
+def optimality_metrics(args: argparse.Namespace, adv_all: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DiffusionNFT's optimality r over the global batch (mean, population std); AWM has none."""
+    if args.objective != "nft":
+        return {}
+    r_all = nft_optimality(nft_advantages(adv_all, args.adv_mode, args.adv_clip_max), args.adv_clip_max)
+    return {"r_mean": r_all.mean(), "r_std": r_all.std(unbiased=False)}
+
+
 @dataclass
 class Update:
-    """What one rollout's NFT update produced: the trained timesteps (B, K), per (micro-batch, trained sigma) the
-    detached loss terms (``logs``), and each optimizer step's gradient norm."""
+    """What one rollout's update produced: the trained timesteps (B, K), per (micro-batch, trained sigma) the detached
+    loss terms (``logs``: NFT's loss, policy_loss, kl, L_pos, L_neg, old_deviation; AWM's loss, policy_loss, kl,
+    old_kl, matching_loss, weighted_matching, ratio_mean, clipfrac, approx_kl), and each optimizer step's gradient
+    norm."""
 
     timesteps: torch.Tensor
-    logs: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {
-        k: [] for k in ("loss", "policy_loss", "kl", "L_pos", "L_neg", "old_deviation")})
+    logs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+
+
+def trained_timesteps(args: argparse.Namespace, noise, step: int, samples) -> torch.Tensor:
+    """(B, K) indices into the sampling grid: DiffusionNFT's per-sample random subset, or AWM's stratified draw."""
+    keys = (noise, step, samples.prompt_ids, samples.sample_indices, args.sampling_steps, args.timestep_fraction)
+    return awm_timesteps(*keys, args.awm_timesteps) if args.objective == "awm" else nft_timesteps(*keys)
+
+
+def micro_batches(run: training.Run, samples) -> tuple[torch.Tensor, ...]:
+    """This rank's sample positions, split into micro-batches of --train_batch_size (CPU)."""
+    return torch.arange(len(samples.prompt_ids)).split(run.args.train_batch_size)
+
+
+def micro_batch_inputs(run: training.Run, batch: dict, samples, idx_cpu: torch.Tensor) -> tuple[torch.Tensor, dict,
+                                                                                                   dict]:
+    """A micro-batch's positions on the device, its conditioning and its noise keys."""
+    idx = devices.to_device(idx_cpu, run.device)
+    cond = {k: batch[k][idx] for k in models.family_of(run.policy.model).embedding_keys}
+    keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx_cpu.tolist()],
+                sample_indices=[samples.sample_indices[i] for i in idx_cpu.tolist()])
+    return idx, cond, keys
+
+
+def forward_point(run: training.Run, traj, timesteps_dev: torch.Tensor, idx: torch.Tensor, k: int, keys: dict,
+                  step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The micro-batch's k-th trained sigma t (b,), its fresh noise eps and x_t = (1-t) x0 + t eps (b, L, C)."""
+    x0 = traj.clean_latents
+    t = traj.sigmas[timesteps_dev[idx, k]]  # (b,) per-sample sigma
+    eps = run.noise.batch_randn(tuple(x0.shape[1:]), step=step, purpose=f"{run.args.objective}_eps/{k}", **keys)
+    eps = devices.to_device(eps, x0.device)  # drawn on the noise device (CPU): AWM's target eps - x0 needs it here
+    return t, eps, forward_noise(x0[idx], eps, t)
+
+
+def velocity_kwargs(run: training.Run) -> dict:
+    return dict(geometry=run.geometry, guidance=run.args.guidance_scale, autocast_dtype=run.amp_dtype)
+
+
+def awm_kwargs(args: argparse.Namespace, *, weighting_only: bool = False) -> dict:
+    """``awm_loss``'s flags (``weighting_only``: ``awm_log_prob``'s)."""
+    weighting = dict(weighting=args.awm_weighting, ghuber_power=args.ghuber_power)
+    return weighting if weighting_only else dict(
+        **weighting, clip_range=args.awm_clip_range, adv_clip_max=args.adv_clip_max,
+        advantage_max=args.awm_advantage_max, kl_beta=args.kl_beta, old_kl_beta=args.old_kl_beta)
+
+
+def rollout_log_probs(run: training.Run, traj, batch: dict, samples, timesteps_dev: torch.Tensor, step: int,
+                      skip: int) -> torch.Tensor:
+    """AWM on-policy with several optimizer steps per rollout: (B, K) log-likelihood proxies of theta as it sampled
+    the rollout, for the micro-batches after the first ``skip`` (trained after an optimizer step moved theta; the
+    first cycle's are their own, detached), precomputed as train_sd3_awm.py does; zeros for the first ``skip``."""
+    lp = torch.zeros(timesteps_dev.shape, dtype=torch.float32, device=run.device)
+    with torch.no_grad():
+        for idx_cpu in micro_batches(run, samples)[skip:]:
+            idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
+            for k in range(timesteps_dev.shape[1]):
+                t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
+                v = model_velocity(run.policy.model, x_t, t, cond, **velocity_kwargs(run))
+                lp[idx, k] = awm_log_prob(v, traj.clean_latents[idx], eps, t,
+                                          **awm_kwargs(run.args, weighting_only=True))
+    return lp
 
 
 def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, keep: torch.Tensor,
                   step: int) -> Update:
-    """For every micro-batch of --train_batch_size samples and every trained sigma: noise the old policy's clean
-    latents (forward process), v_old and v_ref without grad, v_theta, back-propagate the NFT loss scaled by
-    1/(accumulated micro-batches x timesteps); an optimizer step every --gradient_accumulation_steps micro-batches.
-    ``advantages`` (B,) this rank's NFT advantages, ``keep`` (B,) False for samples dropped for a non-finite reward."""
-    args, policy, old, device, noise = run.args, run.policy, run.policy.old, run.device, run.noise
-    velocity = dict(geometry=run.geometry, guidance=args.guidance_scale, autocast_dtype=run.amp_dtype)
+    """For every micro-batch of --train_batch_size samples and every trained sigma: noise the rollout's clean latents
+    (forward process), v_old (when an old policy is kept) and v_ref (--kl_beta > 0) without grad, v_theta,
+    back-propagate the objective's loss (``nft_loss`` / ``awm_loss``) scaled by 1/(accumulated micro-batches x
+    timesteps); an optimizer step every --gradient_accumulation_steps micro-batches. ``advantages`` (B,) this rank's
+    (NFT-mode) advantages, ``keep`` (B,) False for samples dropped for a non-finite reward."""
+    args, policy, old = run.args, run.policy, run.policy.old
+    awm = args.objective == "awm"
+    velocity = velocity_kwargs(run)
     x0 = traj.clean_latents  # (B, L, C) float32
-    keep_dev = devices.to_device(keep, device)
-    timesteps = nft_timesteps(noise, step, samples.prompt_ids, samples.sample_indices, args.sampling_steps,
-                              args.timestep_fraction)  # (B, K) indices into the sampling grid
+    keep_dev = devices.to_device(keep, run.device)
+    timesteps = trained_timesteps(args, run.noise, step, samples)  # (B, K) indices into the sampling grid
     num_trained = timesteps.shape[1]
     accum = run.counts["gradient_accumulation_steps"]
     scale = 1.0 / (accum * num_trained)
     out = Update(timesteps=timesteps)
-    micro_batches = torch.arange(len(samples.prompt_ids)).split(args.train_batch_size)
-    timesteps_dev = devices.to_device(timesteps, device)  # once per step: the loop below never syncs
-    for mb_index, idx_cpu in enumerate(micro_batches):
-        idx = devices.to_device(idx_cpu, device)
-        cond = {k: batch[k][idx] for k in models.family_of(policy.model).embedding_keys}
-        keys = dict(prompt_ids=[samples.prompt_ids[i] for i in idx_cpu.tolist()],
-                    sample_indices=[samples.sample_indices[i] for i in idx_cpu.tolist()])
+    batches = micro_batches(run, samples)
+    timesteps_dev = devices.to_device(timesteps, run.device)  # once per step: the loop below never syncs
+    # AWM's ratio denominators: the sampling policy's log-likelihood proxies (off-policy: the old one, below; on-policy:
+    # theta's own, detached, until the first optimizer step, then theta's before it, precomputed)
+    before = (rollout_log_probs(run, traj, batch, samples, timesteps_dev, step, skip=accum)
+              if awm and not args.awm_off_policy and len(batches) > accum else None)
+    for mb_index, idx_cpu in enumerate(batches):
+        idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
         for k in range(num_trained):
-            t = traj.sigmas[timesteps_dev[idx, k]]  # (b,) per-sample sigma
-            eps = noise.batch_randn(tuple(x0.shape[1:]), step=step, purpose=f"nft_eps/{k}", **keys)
-            x_t = forward_noise(x0[idx], eps, t)  # (b, L, C)
+            t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
             with torch.no_grad():
-                with old.active() as old_model:
-                    v_old = model_velocity(old_model, x_t, t, cond, **velocity)
-                v_ref = None
+                v_old = v_ref = None
+                if old is not None:
+                    with old.active() as old_model:
+                        v_old = model_velocity(old_model, x_t, t, cond, **velocity)
                 if args.kl_beta > 0:
                     with policy.reference() as ref_model:
                         v_ref = model_velocity(ref_model, x_t, t, cond, **velocity)
             v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
-            loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
-                               adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
-                               keep=keep_dev[idx])
+            if awm:
+                old_lp = (awm_log_prob(v_old, x0[idx], eps, t, **awm_kwargs(args, weighting_only=True))
+                          if args.awm_off_policy else before[idx, k] if mb_index >= accum else None)
+                loss, m = awm_loss(v_theta, x0[idx], eps, t, advantages[idx], old_log_prob=old_lp, v_ref=v_ref,
+                                   v_old=v_old, keep=keep_dev[idx], **awm_kwargs(args))
+                logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"], "old_kl": m["old_kl_loss"],
+                        **{n: m[n] for n in ("matching_loss", "weighted_matching", "ratio_mean", "clipfrac",
+                                             "approx_kl")}}
+            else:
+                loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
+                                   adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
+                                   keep=keep_dev[idx])
+                logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"], "L_pos": m["positive_loss"],
+                        "L_neg": m["negative_loss"], "old_deviation": (v_theta.detach() - v_old).pow(2).mean()}
             run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
-            for name, value in (("loss", loss), ("policy_loss", m["policy_loss"]), ("kl", m["kl_loss"]),
-                                ("L_pos", m["positive_loss"]), ("L_neg", m["negative_loss"]),
-                                ("old_deviation", (v_theta.detach() - v_old).pow(2).mean())):
-                out.logs[name].append(value.detach())
+            for name, value in logs.items():
+                out.logs.setdefault(name, []).append(value.detach())
         if (mb_index + 1) % accum == 0:
             out.grad_norms.append(run.optimizer_step())
     return out

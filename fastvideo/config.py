@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fastvideo.parallel import GRADIENT_SYNC_MODES
-from fastvideo.rollout import LAST_STEP_MODES
-from fastvideo.schedulers import SDE_TYPES
+from fastvideo.advantages import GROUP_STD_MODES
+from fastvideo.losses import POLICY_LOSSES
+from fastvideo.rollout import LAST_STEP_MODES, TIMESTEP_SELECTIONS, WINDOW_SCHEDULES
+from fastvideo.schedulers import KL_FORMS, SDE_TYPES
 
 DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
 
@@ -69,6 +71,19 @@ class SamplingOptions:
     sde_window_range: tuple[int, int] | None = opt(
         None, "two step indices LO HI: the window lies in steps [LO, HI) (default: 0 S-1, never the last step)",
         nargs=2, type=int)
+    sde_window_schedule: str = opt(
+        "random", "where the --sde_window_size window lies at each training step: random = a keyed draw per prompt "
+        "group and step (Flow-GRPO-Fast) | sliding = MixGRPO's sliding window (arXiv 2507.21802): every sample of a "
+        "step shares it; it starts at LO of --sde_window_range, moves by --sde_window_stride every "
+        "--sde_window_shift_interval steps and rolls back to LO after the last full position (MixGRPO's --roll_back) "
+        "| progressive = the same, but it stays at the last position (verl-omni's progressive)",
+        choices=WINDOW_SCHEDULES)
+    sde_window_shift_interval: int = opt(
+        25, "--sde_window_schedule sliding|progressive: training steps the window stays at one position (MixGRPO's "
+        "shift interval tau, iters_per_group: 25 in its FLUX script)")
+    sde_window_stride: int = opt(
+        1, "--sde_window_schedule sliding|progressive: steps the window moves at each shift (MixGRPO's stride, "
+        "prog_overlap_step: 1 in its FLUX script; = --sde_window_size for non-overlapping positions)")
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
     rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
@@ -97,6 +112,9 @@ class AdvantageOptions:
                                   "instead of each group's (DanceGRPO)")
     adv_eps: float = opt(1e-4, "added to the reward std before dividing (Flow-GRPO 1e-4); DanceGRPO's 1e-8 turns "
                                "near-constant groups into +-adv_clip_max noise (pass it only to reproduce DanceGRPO)")
+    group_std: str = opt("unbiased", "the group std of per-group normalisation (--no-global_std): unbiased (n - 1: "
+                                     "DanceGRPO, torch.std) | population (n: Flow-GRPO's and DiffusionNFT's per-prompt "
+                                     "stat_tracking.py, np.std; the NFT default)", choices=GROUP_STD_MODES)
 
 
 @dataclass
@@ -104,8 +122,40 @@ class GRPOOptions:
     timestep_fraction: float | None = opt(
         None, "fraction of the S-1 non-final steps trained per sample (DanceGRPO; default 0.6); not with "
         "--sde_window_size, where the window's steps are trained")
-    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio")
-    kl_beta: float = opt(0.0, "weight of the KL to the reference policy (0 = off; Flow-GRPO uses 0.04)")
+    timestep_selection: str = opt(
+        "random", "which steps are trained without an SDE window: random = the first K of a keyed per-sample "
+        "permutation of steps 0..S-2, K = int((S-1) x --timestep_fraction) (DanceGRPO) | first = steps 0..K-1 in "
+        "order for every sample, K = int(S x --timestep_fraction) (Flow-GRPO's train_sd3.py)",
+        choices=TIMESTEP_SELECTIONS)
+    policy_loss: str = opt(
+        "clip", "the per-step policy loss: clip = PPO-clipped ratio (Flow-GRPO / DanceGRPO) | guard = GRPO-Guard "
+        "(arXiv 2510.22319, verl-omni GRPOGuardLoss): the ratio exp((lp - lp_old + b) sqrt(-dt) s) with the mean "
+        "bias b = mean((mu - mu_old)^2) / (2 std^2), clipped, the step's loss times 1/(-dt); its recommended "
+        "--clip_range is 2e-6 (verl-omni's Qwen-Image recipe); flow_sde / dance_sde only | dppo = Flow-DPPO "
+        "(arXiv 2606.11025, verl-omni FlowDPPOLoss): no clipping; a sample's -A ratio is masked when the step's "
+        "Gaussian divergence D = mean((mu - mu_old)^2) / (2 std^2) >= --dppo_threshold and the ratio already moved "
+        "in the advantage's direction. guard/dppo keep each stochastic step's rollout mean (B x S x L x C fp32)",
+        choices=POLICY_LOSSES)
+    dppo_threshold: float = opt(1e-5, "--policy_loss dppo: divergence threshold eps_D of the mask (verl-omni "
+                                      "FlowDPPOLoss default and recipes: 1e-5)")
+    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio (--policy_loss clip and guard)")
+    kl_beta: float = opt(0.0, "weight of the KL to the reference policy, mean((mu - mu_ref)^2) / (2 s^2) per "
+                              "trained step (0 = off; Flow-GRPO uses 0.04). s is set by --kl_form")
+    kl_form: str = opt(
+        "reference", "the KL's noise scale s: reference = the std the reference code divides by (Flow-GRPO, "
+        "verl-omni): a sqrt(sigma / (1 - sigma)) for flow_sde, the step's std eta sqrt(sigma - sigma') for dance_sde "
+        "and sigma' sin(a pi / 2) for cps, so a beta from their configs means the same here | per_unit_time = that "
+        "std / sqrt(sigma - sigma') for every type (this project's form before; equal for flow_sde, and for dance_sde "
+        "and cps the KL is (sigma - sigma') times smaller, ~S times on an S-step grid)", choices=KL_FORMS)
+    drop_zero_advantage: bool = opt(
+        False, "drop the samples whose advantage is exactly 0 before building micro-batches (Flow-GRPO's "
+        "train_sd3.py), so the loss is the mean over the samples that carry a signal (default: they stay, as zeros "
+        "that shrink the gradient by the step's share of them); each rank trains its own kept samples, ranks with "
+        "fewer padded at weight 0")
+    shuffle_micro_batches: bool = opt(
+        False, "shuffle the step's samples before cutting them into optimizer steps and micro-batches (Flow-GRPO, "
+        "DiffusionNFT): a permutation of the gathered batch keyed by (seed, step), the same for every world size; "
+        "each rank trains its own samples in that order")
 
 
 @dataclass
@@ -343,6 +393,10 @@ class DPOOptions:
                                      "this, in reward units; a pair with equal rewards is always skipped")
     ref_update_interval: int = opt(0, "copy the policy into the reference every N training steps (0 = never: the "
                                       "reference stays the base model)")
+    dpo_sigma_shift: float | None = opt(
+        None, "the forward-process sigma of a pair: unset = the logit-normal sigma = sigmoid(u), u ~ N(0, 1) (REFERENCE "
+        "5, verl-omni) | a shift S = Flow-GRPO's SD3 DPO (scripts/train_sd3_dpo.py): that u read through the training "
+        "scheduler's 1000-entry sigma table shifted by S, sigma = shift_S(1 - floor(1000 sigmoid(u)) / 1000) (SD3.5: 3)")
     preference_file: str | None = opt(
         None, "offline DPO: JSON lines {\"prompt\", \"chosen\", \"rejected\"} with image paths relative to the file "
         "(no sampling, no reward; --prompts_per_step = pairs per step); prompts must be in --data_json_path")
@@ -353,6 +407,11 @@ class DPOOptions:
 
 @dataclass
 class NFTOptions:
+    objective: str = opt("nft", "forward-process objective on the rollouts' clean latents: nft = DiffusionNFT "
+                                "(REFERENCE 6) | awm = Advantage Weighted Matching (Xue et al., arXiv:2509.25050): "
+                                "the flow-matching loss ||v_theta(x_t, t) - (eps - x0)||^2 weighted by the group "
+                                "advantages, PPO-clipped; the trained policy samples (--awm_off_policy: the old one)",
+                         choices=("nft", "awm"))
     nft_beta: float = opt(1.0, "DiffusionNFT mixing coefficient beta of the implicit policies v+ = beta*v_theta + "
                                "(1-beta)*v_old and v- = (1+beta)*v_old - beta*v_theta (REFERENCE 6): 1.0 default, 0.1 "
                                "for OCR / multi-reward; not the KL weight (--kl_beta)")
@@ -368,12 +427,34 @@ class NFTOptions:
                                          "(DiffusionNFT 0.99)")
     old_decay_schedule: str = opt(
         "linear", "old policy update old <- d*old + (1-d)*theta after training: copy = d 0 | linear = d min(0.001 n, "
-        "0.5) | delayed = d 0 for n < 75, then min(0.0075 (n-75), 0.999); n = optimizer steps so far (DiffusionNFT "
-        "decay_type 0/1/2; its default is linear)", choices=("copy", "linear", "delayed"))
+        "0.5) | delayed = d 0 for n < 75, then min(0.0075 (n-75), 0.999) | awm = d min(0.001 n, 0.3); n = optimizer "
+        "steps so far (DiffusionNFT decay_type 0/1/2, its default linear; awm = AWM's KL-anchor kl_ema_decay 0.3)",
+        choices=("copy", "linear", "delayed", "awm"))
     old_update_interval: int = opt(1, "update the old policy every N training steps (1 = after every step)")
     solver: str = opt("euler", "deterministic sampler of the old-policy rollouts: euler (first order, as FluxPipeline) "
                                "| dpm2 (DPM-Solver++(2M): second order at no extra model call; DiffusionNFT's)",
                       choices=("euler", "dpm2"))
+    # --objective awm only (Xue et al., arXiv:2509.25050; scxue/advantage_weighted_matching, X-GenGroup/Flow-Factory)
+    awm_timesteps: int = opt(0, "AWM: sigmas trained per sample, one from each of K equal strata of the first int(S x "
+                                "--timestep_fraction) sampling-grid sigmas, fresh noise at each (0 = all of them; AWM "
+                                "train_timesteps 6 for SD3.5, Flow-Factory num_train_timesteps 4 for FLUX.1-dev)")
+    awm_weighting: str = opt("ghuber", "AWM: weight w(l, t) of the per-sample flow-matching loss l whose negative is "
+                                       "the log-likelihood proxy: uniform = l | t = t l | t2 = t^2 l | huber = t "
+                                       "(sqrt(l + 1e-10) - 1e-5) | ghuber = t/p ((l + 1e-10)^p - 1e-10^p) with p "
+                                       "--ghuber_power (every published AWM run: ghuber)",
+                             choices=("uniform", "t", "t2", "huber", "ghuber"))
+    ghuber_power: float = opt(0.25, "AWM: power p of --awm_weighting ghuber (published runs: 0.25)")
+    awm_clip_range: float = opt(1.0, "AWM: PPO clip of the ratio exp(lp - lp_old) to [1 - c, 1 + c] (published runs: "
+                                     "1; the ratio is exactly 1 for on-policy micro-batches before the rollout's first "
+                                     "optimizer step)")
+    awm_advantage_max: float = opt(1.0, "AWM: advantage weight a = clamp(A, +-adv_clip_max) / adv_clip_max x this "
+                                        "(AWM config.train.advantage_max 1: a in [-1, 1])")
+    old_kl_beta: float = opt(0.0, "AWM: weight of mean((v_theta - v_old)^2), the velocity distance to the old policy "
+                                  "(a slow EMA of theta, --old_decay_schedule; AWM's ema_beta 1 for SD3.5, "
+                                  "Flow-Factory ema_kl_beta 0.1 for FLUX.1-dev; 0 = off)")
+    awm_off_policy: bool = opt(False, "AWM: sample the rollouts with the old policy and clip the ratio against its "
+                                      "log-likelihood proxy (AWM/Flow-Factory off_policy; default: the trained policy "
+                                      "samples, as every published run)")
 
 
 GRPO_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, GRPOOptions, OptimOptions, LoRAOptions,
@@ -385,11 +466,12 @@ NFT_GROUPS = (ModelOptions, SamplingOptions, GroupOptions, AdvantageOptions, NFT
               PlanOptions)
 
 # NFT reads these shared flags in its own units / with DiffusionNFT's defaults
-NFT_DEFAULTS = {"output_dir": "outputs/nft", "wandb_project": "flux-nft", "global_std": True}
+NFT_DEFAULTS = {"output_dir": "outputs/nft", "wandb_project": "flux-nft", "global_std": True,
+                "group_std": "population"}
 NFT_HELP = {
     "num_generations": "images sampled per prompt by the old policy (group size G of the advantages)",
     "train_batch_size": "samples per forward/backward micro-batch (per rank); each is trained at int(S x "
-                        "--timestep_fraction) sigmas",
+                        "--timestep_fraction) sigmas (--objective awm: --awm_timesteps of them)",
     "global_std": "normalise advantages by the whole batch's reward std (DiffusionNFT / Flow-GRPO; the NFT default) "
                   "instead of each group's (--no-global_std)",
     "rollout_batch_size": "samples per transformer call during the old-policy rollout (per rank)",
@@ -831,6 +913,14 @@ def validate_sampling(args: argparse.Namespace) -> None:
         _need(not (hi == S and getattr(args, "last_step", "sde") == "ode"),
               f"--sde_window_range {lo} {hi} includes the last step, which --last_step ode makes deterministic; end "
               f"the range at {S - 1} or pass --last_step sde")
+    schedule = getattr(args, "sde_window_schedule", "random")
+    if schedule != "random":
+        _need(args.sde_window_size > 0, f"--sde_window_schedule {schedule} moves the SDE window: set --sde_window_size "
+                                        "W (MixGRPO: 4 of 25 steps) or use --sde_window_schedule random")
+        _need(args.sde_window_shift_interval >= 1,
+              f"--sde_window_shift_interval must be >= 1 (steps per window position), got "
+              f"{args.sde_window_shift_interval}")
+        _need(args.sde_window_stride >= 1, f"--sde_window_stride must be >= 1, got {args.sde_window_stride}")
 
 
 def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
@@ -857,13 +947,41 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
         _need(args.sde_window_range[1] < args.sampling_steps,
               "--sde_type cps with --kl_beta > 0: the last step has zero noise (sigma' = 0), where the KL is "
               f"undefined; keep the window before it (--sde_window_range ... {args.sampling_steps - 1})")
+    _validate_policy_loss(args)
+    S = args.sampling_steps
     if args.sde_window_size:
         trained = args.sde_window_size
+    elif getattr(args, "timestep_selection", "random") == "first":
+        trained = int(S * args.timestep_fraction)
+        _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x --sampling_steps {S} trains no "
+                            "timestep (--timestep_selection first); raise one of them")
+        if trained == S:  # the last step (sigma' = 0) is trained
+            _need(args.last_step == "sde", f"--timestep_selection first with --timestep_fraction "
+                                           f"{args.timestep_fraction} trains the last step, which --last_step ode "
+                                           "makes deterministic: use a fraction below 1 (Flow-GRPO's 0.99)")
+            _need(args.sde_type != "cps", "--timestep_selection first with --timestep_fraction "
+                                          f"{args.timestep_fraction} trains the last step, where cps has no noise "
+                                          "(sigma' = 0): use a fraction below 1 (Flow-GRPO's 0.99)")
     else:
-        trained = int((args.sampling_steps - 1) * args.timestep_fraction)
+        trained = int((S - 1) * args.timestep_fraction)
         _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x (--sampling_steps - 1 = "
-                            f"{args.sampling_steps - 1}) trains no timestep; raise one of them")
+                            f"{S - 1}) trains no timestep; raise one of them")
     return _group_arithmetic(args, world_size, trained)
+
+
+def _validate_policy_loss(args: argparse.Namespace) -> None:
+    """--policy_loss guard/dppo: the SDE types they are defined for, and their thresholds."""
+    from fastvideo.losses import policy_loss_sde_refusal
+
+    loss = getattr(args, "policy_loss", "clip")
+    why = policy_loss_sde_refusal(loss, args.sde_type)
+    _need(why is None, f"{why}; use --sde_type flow_sde or --policy_loss clip")
+    _need(getattr(args, "dppo_threshold", 1e-5) > 0, f"--dppo_threshold must be > 0 (verl-omni: 1e-5), got "
+                                                     f"{getattr(args, 'dppo_threshold', None)}")
+    if loss == "dppo" and args.sde_type == "cps" and args.sde_window_size:
+        _need(args.sde_window_range[1] < args.sampling_steps,
+              "--policy_loss dppo with --sde_type cps: the last step has zero noise (sigma' = 0), where the "
+              f"divergence is undefined; keep the window before it (--sde_window_range ... {args.sampling_steps - 1})")
 
 
 def _divisors(n: int) -> str:
@@ -923,6 +1041,8 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     _need(args.beta_dpo > 0, f"--beta_dpo must be > 0 (2000 is the FLUX default), got {args.beta_dpo}")
     _need(args.min_reward_gap >= 0, f"--min_reward_gap must be >= 0, got {args.min_reward_gap}")
     _need(args.timesteps_per_pair >= 1, f"--timesteps_per_pair must be >= 1, got {args.timesteps_per_pair}")
+    _need(args.dpo_sigma_shift is None or args.dpo_sigma_shift > 0,
+          f"--dpo_sigma_shift must be > 0 (Flow-GRPO's SD3 DPO: 3), got {args.dpo_sigma_shift}")
     _need(args.ref_update_interval >= 0, f"--ref_update_interval must be >= 0 (0 = never), got "
                                          f"{args.ref_update_interval}")
     _need(args.gradient_accumulation_steps == 0,
@@ -992,8 +1112,50 @@ def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 SDE_ONLY_FLAGS = ("eta", "sde_type", "sde_window_size", "sde_window_range", "last_step")
 
 
+# flags of train_nft.py's --objective awm (NFTOptions)
+AWM_FLAGS = ("awm_timesteps", "awm_weighting", "ghuber_power", "awm_clip_range", "awm_advantage_max", "old_kl_beta",
+             "awm_off_policy")
+
+
+def nft_uses_old_policy(args: argparse.Namespace) -> bool:
+    """Whether train_nft.py keeps an old policy: always for DiffusionNFT (it samples the rollouts and anchors v+/v-),
+    for AWM only as the --awm_off_policy sampler or the --old_kl_beta anchor."""
+    return args.objective == "nft" or args.awm_off_policy or args.old_kl_beta > 0
+
+
+def _validate_objective(args: argparse.Namespace, defaults: dict[str, Any], grid: int) -> int:
+    """--objective and its own flags (``grid`` = int(S x --timestep_fraction)); returns the sigmas trained per
+    sample."""
+    def drop(keys: Sequence[str], why: str) -> None:
+        changed = changed_flags(args, keys, defaults)
+        _need(not changed, f"{', '.join('--' + k for k in changed)} {why}")
+
+    if args.objective == "nft":
+        drop(AWM_FLAGS, "only apply to --objective awm (Advantage Weighted Matching): add --objective awm or drop them")
+        return grid
+    drop(("nft_beta", "adv_mode"), "shape DiffusionNFT's implicit policies v+/v- and optimality r; --objective awm "
+                                   "weights its matching loss by the clipped advantage itself (--awm_advantage_max): "
+                                   "drop them or use --objective nft")
+    if not nft_uses_old_policy(args):
+        drop(("old_decay_schedule", "old_update_interval"),
+             "move the old policy, which --objective awm keeps only as the --old_kl_beta anchor or the "
+             "--awm_off_policy sampler: set --old_kl_beta > 0 (Flow-Factory's FLUX.1-dev value: 0.1) or drop them")
+    if args.awm_weighting != "ghuber":
+        drop(("ghuber_power",), f"only shapes --awm_weighting ghuber (not {args.awm_weighting}): drop it")
+    _need(args.ghuber_power > 0, f"--ghuber_power must be > 0 (published runs: 0.25), got {args.ghuber_power}")
+    _need(args.awm_clip_range > 0, f"--awm_clip_range must be > 0 (published runs: 1), got {args.awm_clip_range}")
+    _need(args.awm_advantage_max > 0, f"--awm_advantage_max must be > 0 (AWM: 1), got {args.awm_advantage_max}")
+    _need(args.old_kl_beta >= 0, f"--old_kl_beta must be >= 0 (0 = no old-policy term), got {args.old_kl_beta}")
+    _need(args.awm_timesteps >= 0, f"--awm_timesteps must be >= 0 (0 = all {grid}), got {args.awm_timesteps}")
+    trained = args.awm_timesteps or grid
+    _need(trained <= grid, f"--awm_timesteps {trained} exceeds the int(--sampling_steps {args.sampling_steps} x "
+                           f"--timestep_fraction {args.timestep_fraction}) = {grid} grid sigmas it draws one per "
+                           f"stratum from: use --awm_timesteps <= {grid} or raise --timestep_fraction")
+    return trained
+
+
 def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
-    """DiffusionNFT flags and the batch arithmetic; returns the derived counts printed before step 1."""
+    """DiffusionNFT / AWM flags and the batch arithmetic; returns the derived counts printed before step 1."""
     validate_common(args)
     defaults = {**field_defaults(NFT_GROUPS), **NFT_DEFAULTS}
     changed = changed_flags(args, SDE_ONLY_FLAGS, defaults)
@@ -1017,15 +1179,16 @@ def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     _need(args.adv_eps > 0, f"--adv_eps must be > 0, got {args.adv_eps}")
     _need(0.0 < args.timestep_fraction <= 1.0, f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
     _need(args.old_update_interval >= 1, f"--old_update_interval must be >= 1, got {args.old_update_interval}")
-    trained = int(args.sampling_steps * args.timestep_fraction)
-    _need(trained >= 1, f"--timestep_fraction {args.timestep_fraction} x --sampling_steps {args.sampling_steps} "
-                        "trains no timestep; raise one of them")
-    return _group_arithmetic(args, world_size, trained)
+    grid = int(args.sampling_steps * args.timestep_fraction)
+    _need(grid >= 1, f"--timestep_fraction {args.timestep_fraction} x --sampling_steps {args.sampling_steps} "
+                     "trains no timestep; raise one of them")
+    return _group_arithmetic(args, world_size, _validate_objective(args, defaults, grid))
 
 
 def nft_parser() -> argparse.ArgumentParser:
     """The DiffusionNFT trainer's flags."""
-    parser = build_parser(NFT_GROUPS, "DiffusionNFT post-training of a FLUX transformer (torchrun + FSDP).",
+    parser = build_parser(NFT_GROUPS, "DiffusionNFT (or --objective awm: Advantage Weighted Matching) post-training "
+                                      "of a FLUX transformer (torchrun + FSDP).",
                           help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
     parser.set_defaults(algorithm="nft")  # recorded in config.json and every checkpoint's meta.json
     return parser

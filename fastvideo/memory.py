@@ -529,6 +529,9 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     what = "clean latents B x L x C" if old_policy else "latents B x (S+1) x L x C"
     items.append(PlanItem(f"rollout buffers: {what}, images", buffers, sde_noise, "persistent",
                           f"B={B} S={S} L={L} C={C}" + ("; host: SDE noise" if sde_noise else "")))
+    if getattr(args, "policy_loss", "clip") != "clip":  # GRPO-Guard / Flow-DPPO compare with the rollout's means
+        items.append(PlanItem("rollout SDE means (GRPO-Guard / Flow-DPPO)", 4 * B * S * L * C, phase="persistent",
+                              note=f"B x S x L x C fp32, B={B}"))
     if sde_noise:  # the rollout copies one micro-batch's SDE noise to the device before its step loop
         items.append(PlanItem(f"SDE noise of a rollout micro-batch of {rb}", 4 * rb * S * L * C, phase="rollout",
                               note="rb x S x L x C fp32, pinned copy on the host too"))

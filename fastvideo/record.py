@@ -38,7 +38,10 @@ FORMAT = 1
 # Flags that decide which random draws a step makes and their shapes: a replay must share them with the recording.
 # (Data and pair files may sit at other paths on the other machine: what they hold is checked through the draws' keys.)
 REPLAY_KEYS = ("algorithm", "seed", "num_generations", "prompts_per_step", "sampling_steps", "h", "w", "eta",
-               "sde_window_size", "sde_window_range", "init_same_noise", "timestep_fraction", "timesteps_per_pair")
+               "sde_window_size", "sde_window_range", "sde_window_schedule", "sde_window_shift_interval",
+               "sde_window_stride", "init_same_noise", "timestep_fraction", "timesteps_per_pair")
+# Draw-deciding flags added later, with the value every earlier recording had (absent from its manifest).
+LATER_REPLAY_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1}
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -374,8 +377,10 @@ def check_replay(replay_dir: str | Path, config: dict, first_step: int, last_ste
         raise ValueError(f"--replay_dir {root} is a recording of format {manifest.get('format')}, this code reads "
                          f"format {FORMAT}; record again with this version")
     flags = manifest.get("flags", {})
-    diffs = [f"--{k}: recorded {flags.get(k)!r} vs now {config.get(k)!r}" for k in REPLAY_KEYS
-             if json.dumps(flags.get(k), default=str) != json.dumps(config.get(k), default=str)]
+    later = LATER_REPLAY_KEYS  # flags added after a recording was made read as their earlier value
+    diffs = [f"--{k}: recorded {flags.get(k, later.get(k))!r} vs now {config.get(k, later.get(k))!r}"
+             for k in REPLAY_KEYS if json.dumps(flags.get(k, later.get(k)), default=str)
+             != json.dumps(config.get(k, later.get(k)), default=str)]
     if diffs:
         raise ValueError(f"--replay_dir {root} was recorded with other flags that decide the draws ({'; '.join(diffs)})"
                          "; use the recorded values (a replay may change the model, device, dtype or code, not what "

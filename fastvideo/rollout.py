@@ -31,6 +31,8 @@ from fastvideo.seeding import NoiseSource
 
 
 LAST_STEP_MODES = ("sde", "ode")
+WINDOW_SCHEDULES = ("random", "sliding", "progressive")
+TIMESTEP_SELECTIONS = ("random", "first")
 
 
 def default_window_range(sampling_steps: int) -> tuple[int, int]:
@@ -52,6 +54,9 @@ class RolloutConfig:
     cfg_scale: float = 1.0  # true classifier-free guidance (1 = off): needs the batch's negative_<key> rows
     sde_window_size: int = 0  # 0 = every step stochastic
     sde_window_range: tuple[int, int] | None = None  # window in steps [lo, hi); default (0, S-1): not the last step
+    sde_window_schedule: str = "random"  # random | sliding | progressive (window_position)
+    sde_window_shift_interval: int = 1  # sliding/progressive: training steps per window position (MixGRPO's tau)
+    sde_window_stride: int = 1  # sliding/progressive: steps the window moves per shift
     init_same_noise: bool = False
     decode_x0: bool = False  # decode the last predicted x0_hat (DanceGRPO) instead of the final latent
     batch_size: int = 8  # samples per transformer call
@@ -93,6 +98,11 @@ class RolloutConfig:
         if self.sde_window_size and not (0 <= lo and hi <= S and hi - lo >= self.sde_window_size):
             raise ValueError(f"sde_window_range ({lo}, {hi}) must satisfy 0 <= lo, hi <= sampling_steps ({S}) "
                              f"and hi - lo >= sde_window_size ({self.sde_window_size})")
+        if self.sde_window_schedule not in WINDOW_SCHEDULES:
+            raise ValueError(f"sde_window_schedule must be one of {WINDOW_SCHEDULES}, got {self.sde_window_schedule!r}")
+        if self.sde_window_shift_interval < 1 or self.sde_window_stride < 1:
+            raise ValueError(f"sde_window_shift_interval and sde_window_stride must be >= 1, got "
+                             f"{self.sde_window_shift_interval} and {self.sde_window_stride}")
         if self.sde_window_size and self.last_step == "ode" and hi == S:
             raise ValueError(f"sde_window_range ({lo}, {hi}) includes the last step, which last_step='ode' makes "
                              f"deterministic: end the range at {S - 1} or use last_step='sde'")
@@ -129,6 +139,8 @@ class Trajectory:
     sde_window_size: int
     timings: dict[str, float] = field(default_factory=dict)
     stochastic_cpu: torch.Tensor | None = None  # ``stochastic`` on the CPU: read by host-side checks without a sync
+    means: torch.Tensor | None = None  # (B, S, L, C) float32: the rollout policy's SDE mean of each stochastic step
+    # (0 elsewhere), kept with rollout(..., keep_means=True) for the losses that compare it (GRPO-Guard, Flow-DPPO)
 
     def __post_init__(self) -> None:
         if self.stochastic_cpu is None:
@@ -144,11 +156,17 @@ class Trajectory:
         return self.sigmas[1]
 
 
-    def noise_scale(self, j: int | torch.Tensor) -> torch.Tensor:
-        """KL noise scale ``s`` (REFERENCE §4) of step ``j`` (int -> 0-d, (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
+    def noise_scale(self, j: int | torch.Tensor, kl_form: str = "per_unit_time") -> torch.Tensor:
+        """KL noise scale ``s`` (REFERENCE §4; ``kl_form`` as ``schedulers.sde_noise_scale``) of step ``j`` (int -> 0-d,
+        (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
         j = _step_index(j, self.sigmas.device)
         return sde_noise_scale(self.sigmas[j], self.sigmas[j + 1], sde_type=self.sde_type, eta=self.eta,
-                               sigma_max=self.sigma_max)
+                               sigma_max=self.sigma_max, kl_form=kl_form)
+
+    def sqrt_neg_dt(self, j: int | torch.Tensor) -> torch.Tensor:
+        """``sqrt(sigma_j - sigma_{j+1})`` of step ``j`` (0-d or (b,), float32 on the device; GRPO-Guard's rescale)."""
+        j = _step_index(j, self.sigmas.device)
+        return (self.sigmas[j] - self.sigmas[j + 1]).to(torch.float32).sqrt()
 
 
 def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tensor:
@@ -156,8 +174,28 @@ def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tens
     return int(j) if not torch.is_tensor(j) else devices.to_device(j.to(torch.long), device)
 
 
+def window_position(cfg: RolloutConfig, step: int) -> int:
+    """The start of MixGRPO's moving SDE window at training step ``step`` (>= 1), shared by every sample of the step.
+
+    The full-window starts in ``[lo, hi)`` are ``lo, lo + s, ..., lo + (n-1)s`` with ``n = (hi - W - lo) // s + 1``
+    (stride ``s``, window ``W``); the window moves one position every ``shift_interval`` steps. ``sliding`` rolls back
+    to ``lo`` after the last position (MixGRPO's ``GRPOTrainingStates`` with ``roll_back``, which its FLUX script sets);
+    ``progressive`` stays at the last one (verl-omni's ``progressive``). A pure function of the step: a resumed run
+    continues the schedule exactly. Unlike MixGRPO, a window never runs past ``hi`` (its last positions are cut short).
+    """
+    lo, hi = cfg.sde_window_range
+    W, s = cfg.sde_window_size, cfg.sde_window_stride
+    positions = (hi - W - lo) // s + 1
+    shifts = (int(step) - 1) // cfg.sde_window_shift_interval
+    k = shifts % positions if cfg.sde_window_schedule == "sliding" else min(shifts, positions - 1)
+    return lo + k * s
+
+
 def window_starts(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_ids: list[int]) -> list[int]:
-    """SDE window start per sample, drawn once per prompt group (sample_index 0, purpose "window")."""
+    """SDE window start per sample: ``random``: drawn once per prompt group (sample_index 0, purpose "window");
+    ``sliding`` / ``progressive``: ``window_position`` of the step for every sample."""
+    if cfg.sde_window_schedule != "random":
+        return [window_position(cfg, step)] * len(prompt_ids)
     lo, hi = cfg.sde_window_range
     return [noise.randint(lo, hi - cfg.sde_window_size + 1, step=step, prompt_id=p, sample_index=0,
                           purpose="window") for p in prompt_ids]
@@ -221,10 +259,11 @@ def guided_velocity(family: Any, transformer: torch.nn.Module, x: torch.Tensor, 
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
             cfg: RolloutConfig, noise: NoiseSource, geometry: Any, *,
             device: torch.device | str, autocast_dtype: torch.dtype | None = None,
-            keep_latents: bool = True) -> Trajectory:
+            keep_latents: bool = True, keep_means: bool = False) -> Trajectory:
     """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then
     decode. ``geometry``: the model family's latent geometry. ``keep_latents=False`` records only the clean latents
-    (no (B, S+1, L, C) trajectory buffer)."""
+    (no (B, S+1, L, C) trajectory buffer); ``keep_means=True`` also records each stochastic step's mean
+    (``Trajectory.means``, (B, S, L, C))."""
     device = torch.device(device)
     family = models.family_of(transformer)
     ids = batch["prompt_ids"]
@@ -256,6 +295,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
     shared = family.conditioning(geometry, cond_all, cfg.guidance, device)  # position ids, guidance: on the device
     latents = torch.empty(B, S + 1, L, C, dtype=torch.float32, device=device) if keep_latents else None
     log_probs = torch.zeros(B, S, dtype=torch.float32, device=device)
+    means = torch.zeros(B, S, L, C, dtype=torch.float32, device=device) if keep_means else None
     clean = torch.empty(B, L, C, dtype=torch.float32, device=device)
     stochastic_dev = devices.to_device(stochastic, device)
     images = []
@@ -279,11 +319,13 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
             else:
                 x_next = ode_step(v, x, sigma, sigma_next)
             if noise_mb is not None and bool(stochastic[mb, i].any()):  # stochastic is on the CPU: no sync
-                x_sde, lp, _, _ = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=cfg.sde_type, eta=cfg.eta,
-                                                        noise=noise_mb[:, i], sigma_max=sigmas_dev[1])
+                x_sde, lp, mean, _ = sde_step_with_logprob(v, x, sigma, sigma_next, sde_type=cfg.sde_type,
+                                                           eta=cfg.eta, noise=noise_mb[:, i], sigma_max=sigmas_dev[1])
                 st = stochastic_dev[mb, i]
                 x_next = torch.where(st.view(-1, 1, 1), x_sde, x_next)
                 log_probs[mb, i] = torch.where(st, lp, torch.zeros_like(lp))
+                if means is not None:
+                    means[mb, i] = torch.where(st.view(-1, 1, 1), mean, 0.0)
             if i == S - 1:
                 clean[mb] = x - sigma_list[i] * v if cfg.decode_x0 else x_next
             if latents is not None:
@@ -300,20 +342,26 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         images=torch.cat(images), clean_latents=clean,
         prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), sample_indices=torch.tensor(sample_indices),
         step=int(step), sde_type=cfg.sde_type, eta=float(cfg.eta), sde_window_size=cfg.sde_window_size,
-        timings={"sample": t_sample, "decode": t_decode}, stochastic_cpu=stochastic)
+        timings={"sample": t_sample, "decode": t_decode}, stochastic_cpu=stochastic, means=means)
 
 
 def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_indices: list[int], step: int,
-                             noise: NoiseSource, *, timestep_fraction: float = 1.0) -> torch.Tensor:
+                             noise: NoiseSource, *, timestep_fraction: float = 1.0,
+                             selection: str = "random") -> torch.Tensor:
     """(B, K) LongTensor (CPU) of the steps to train per sample; column k is the k-th replay for every sample.
 
     Window mode (``sde_window_size > 0``): the window's W steps in increasing order (K = W,
-    ``timestep_fraction`` is ignored). Full-SDE mode: DanceGRPO's random subset: the first
-    ``K = int((S-1) * timestep_fraction)`` entries of a per-sample permutation of steps 0..S-2
+    ``timestep_fraction`` and ``selection`` are ignored). Full-SDE mode, ``selection="random"``: DanceGRPO's random
+    subset: the first ``K = int((S-1) * timestep_fraction)`` entries of a per-sample permutation of steps 0..S-2
     (``NoiseSource`` purpose "timesteps" keyed by ``(step, prompt_id, sample_index)``); the last
-    step is never trained. Different samples of a column may be at different steps:
+    step is never trained. ``selection="first"``: Flow-GRPO's ``for j in range(num_train_timesteps)`` with
+    ``num_train_timesteps = int(S * timestep_fraction)``: steps 0..K-1 in order for every sample, counted over all S
+    steps (so fraction 1 includes the last step, sigma' = 0; Flow-GRPO's 0.99 leaves it out); a chosen step that was
+    not stochastic (``last_step="ode"``) is an error. Different samples of a column may be at different steps:
     ``replay_log_prob`` takes a per-sample ``j``.
     """
+    if selection not in TIMESTEP_SELECTIONS:
+        raise ValueError(f"selection must be 'random' (DanceGRPO) or 'first' (Flow-GRPO), got {selection!r}")
     B, S = traj.log_probs.shape
     if len(prompt_ids) != B or len(sample_indices) != B:
         raise ValueError(f"need one prompt id and sample index per trajectory sample ({B}), got "
@@ -327,6 +375,16 @@ def select_trained_timesteps(traj: Trajectory, prompt_ids: list[int], sample_ind
         return steps[stochastic].view(B, traj.sde_window_size)
     if not 0 < timestep_fraction <= 1:
         raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    if selection == "first":
+        K = int(S * timestep_fraction)
+        if K < 1:
+            raise ValueError(f"timestep_fraction {timestep_fraction} x sampling_steps {S} trains no timestep; "
+                             "raise one of them")
+        if not bool(stochastic[:, :K].all()):
+            raise ValueError(f"selection 'first' trains steps 0..{K - 1}, but some of them were ODE steps in the "
+                             f"rollout (last_step='ode' makes step {S - 1} deterministic): use a timestep_fraction "
+                             f"with int({S} x fraction) <= {S - 1} (Flow-GRPO's 0.99) or last_step='sde'")
+        return torch.arange(K).expand(B, K).clone()
     K = int((S - 1) * timestep_fraction)
     if K < 1:
         raise ValueError(f"timestep_fraction {timestep_fraction} x (sampling_steps - 1 = {S - 1}) trains no "
@@ -444,3 +502,23 @@ def nft_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_i
     perms = [noise.randperm(sampling_steps, step=step, prompt_id=p, sample_index=s, purpose="nft_timesteps")[:K]
              for p, s in zip(prompt_ids, sample_indices)]
     return torch.stack(perms).to(torch.long)
+
+
+def awm_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_indices: list[int],
+                  sampling_steps: int, timestep_fraction: float, num_timesteps: int = 0) -> torch.Tensor:
+    """(B, K) LongTensor (CPU): indices into the sampling grid that AWM trains per sample, its "discrete" draw
+    (scxue/advantage_weighted_matching scripts/train_sd3_awm.py, time_type "discrete"): the first
+    ``M = int(S * timestep_fraction)`` grid sigmas cut into ``K`` strata at ``linspace(0, M, K+1).long()``, one uniform
+    index from each (noisiest first); ``K = num_timesteps``, 0 = ``M``. The reference draws one set per micro-batch;
+    ours is per sample (purpose "awm_timesteps", keyed by ``(step, prompt_id, sample_index)``: independent of batch
+    layout and world size)."""
+    M = int(sampling_steps * timestep_fraction)
+    K = num_timesteps or M
+    if not 1 <= K <= M:
+        raise ValueError(f"AWM trains {K} timesteps out of int(sampling_steps {sampling_steps} x timestep_fraction "
+                         f"{timestep_fraction}) = {M} grid sigmas: need 1 <= K <= {M}")
+    bounds = torch.linspace(0, M, K + 1).long()
+    lower, width = bounds[:-1], bounds[1:] - bounds[:-1]  # (K,) each >= 1 as K <= M
+    draws = [noise.rand((K,), step=step, prompt_id=p, sample_index=s, purpose="awm_timesteps")
+             for p, s in zip(prompt_ids, sample_indices)]
+    return torch.stack([lower + (u * width).long() for u in draws]).to(torch.long)

@@ -362,6 +362,30 @@ RESUME_KEYS = ("algorithm", "pretrained_model_name_or_path", "lora_rank", "lora_
                "learning_rate", "lr_scheduler", "lr_warmup_steps", "use_ema", "ema_decay", "ema_warmup", "batch_arithmetic",
                "beta_dpo", "sampler", "min_reward_gap", "timesteps_per_pair", "ref_update_interval", "preference_file",
                "nft_beta", "adv_mode", "old_decay_schedule", "old_update_interval", "solver")
+# Run-defining flags added later, with the value every earlier run had: at that value (or where the flag does not act,
+# ``_inert``) a flag stays out of the checkpoint's fingerprint, so checkpoints written before it existed still resume.
+LATER_RESUME_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1,
+                     "objective": "nft", "awm_timesteps": 0, "awm_weighting": "ghuber", "ghuber_power": 0.25,
+                     "awm_clip_range": 1.0, "awm_advantage_max": 1.0, "old_kl_beta": 0.0, "awm_off_policy": False,
+                     "group_std": "unbiased", "timestep_selection": "random", "policy_loss": "clip",
+                     "dppo_threshold": 1e-5, "kl_form": "per_unit_time", "drop_zero_advantage": False,
+                     "shuffle_micro_batches": False, "dpo_sigma_shift": None}
+
+
+def _inert(key: str, config: dict) -> bool:
+    """A later run-defining flag that changes nothing in this run (its earlier value, or a setting it does not act in):
+    left out of the fingerprint."""
+    if config.get(key, LATER_RESUME_KEYS[key]) == LATER_RESUME_KEYS[key]:
+        return True
+    if key in ("sde_window_shift_interval", "sde_window_stride"):
+        return config.get("sde_window_schedule", "random") == "random"
+    if key == "group_std":
+        return bool(config.get("global_std"))
+    if key == "dppo_threshold":
+        return config.get("policy_loss", "clip") != "dppo"
+    if key == "kl_form":  # the two forms are equal for flow_sde
+        return not config.get("kl_beta") or config.get("sde_type") == "flow_sde"
+    return False
 
 
 def saved_run_config(resume_dir: Path) -> dict | None:
@@ -385,9 +409,10 @@ def check_resume_step(resume_dir: Path, max_train_steps: int) -> int:
 
 
 def resume_keys(config: dict) -> tuple[str, ...]:
-    """The flags a resumed run must share with its checkpoint: ``RESUME_KEYS``, and --max_train_steps under a cosine
-    schedule (its length)."""
-    return RESUME_KEYS + (("max_train_steps",) if config.get("lr_scheduler") == "cosine" else ())
+    """The flags a resumed run must share with its checkpoint: ``RESUME_KEYS``, ``LATER_RESUME_KEYS``, and
+    --max_train_steps under a cosine schedule (its length)."""
+    return RESUME_KEYS + tuple(LATER_RESUME_KEYS) + (("max_train_steps",) if config.get("lr_scheduler") == "cosine"
+                                                      else ())
 
 
 def _json_value(value: Any) -> Any:
@@ -400,7 +425,8 @@ def run_identity(config: dict) -> dict:
     their fingerprint (SHA-256 of their JSON)."""
     import hashlib
 
-    flags = {k: _json_value(config.get(k)) for k in resume_keys(config)}
+    flags = {k: _json_value(config.get(k)) for k in resume_keys(config)
+             if not (k in LATER_RESUME_KEYS and _inert(k, config))}
     digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()
     return {"algorithm": config.get("algorithm"), "config_fingerprint": digest, "run_flags": flags}
 
@@ -432,8 +458,12 @@ def check_resume_config(config: dict, saved: dict | None) -> None:
     """
     if not saved:
         return
-    diffs = {k: (saved.get(k), config.get(k)) for k in resume_keys(config)
-             if k in saved and _json_value(saved.get(k)) != _json_value(config.get(k))}
+    def value(cfg: dict, k: str) -> Any:  # a later flag absent from an older run's record had its earlier value
+        return _json_value(cfg.get(k, LATER_RESUME_KEYS.get(k)))
+
+    diffs = {k: (value(saved, k), value(config, k)) for k in resume_keys(config)
+             if (k in saved or k in LATER_RESUME_KEYS) and value(saved, k) != value(config, k)
+             and not (k in LATER_RESUME_KEYS and _inert(k, config) and _inert(k, saved))}
     if diffs:
         text = "; ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
         raise ValueError(f"cannot resume: flags differ from the checkpoint's run ({text}); use the original "
@@ -504,7 +534,11 @@ def rollout_config(args: argparse.Namespace) -> Any:
 
     return RolloutConfig(height=args.h, width=args.w, sampling_steps=args.sampling_steps, sde_type=args.sde_type,
                          eta=args.eta, shift=args.shift, guidance=args.guidance_scale,
-                         cfg_scale=getattr(args, "cfg_scale", 1.0), sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
+                         cfg_scale=getattr(args, "cfg_scale", 1.0), sde_window_size=args.sde_window_size,
+                         sde_window_range=tuple(args.sde_window_range),
+                         sde_window_schedule=getattr(args, "sde_window_schedule", "random"),
+                         sde_window_shift_interval=getattr(args, "sde_window_shift_interval", 1),
+                         sde_window_stride=getattr(args, "sde_window_stride", 1),
                          init_same_noise=args.init_same_noise, decode_x0=args.decode_x0,
                          batch_size=args.rollout_batch_size, decode_batch_size=args.decode_batch_size,
                          last_step=args.last_step,
@@ -771,7 +805,7 @@ class Run:
     def advantages(self, rewards: torch.Tensor, samples: Any, prompt_ids: torch.Tensor
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Group advantages (REFERENCE §3) of the step's gathered ``rewards`` (P*G,) with --global_std/--adv_clip_max/
-        --adv_eps: ``(all advantages (P*G,), their metrics, this rank's slice on the device)``. ``prompt_ids``: this
+        --adv_eps/--group_std: ``(all advantages (P*G,), their metrics, this rank's slice on the device)``. ``prompt_ids``: this
         rank's samples' prompt ids (checked against the sampler's group order after gathering)."""
         from fastvideo.advantages import group_advantages
 
@@ -780,7 +814,8 @@ class Run:
         expected = torch.tensor(samples.group_prompt_ids).repeat_interleave(args.num_generations)
         assert torch.equal(D.gather_samples(prompt_ids.cpu()), expected), "gathered samples are not in group order"
         adv_all, metrics = group_advantages(rewards, group_ids, global_std=args.global_std,
-                                            adv_clip_max=args.adv_clip_max, eps=args.adv_eps)
+                                            adv_clip_max=args.adv_clip_max, eps=args.adv_eps,
+                                            group_std=getattr(args, "group_std", "unbiased"))
         n = len(prompt_ids)
         return adv_all, metrics, adv_all[self.dist.dp_rank * n:(self.dist.dp_rank + 1) * n].to(self.device)
 

@@ -711,8 +711,13 @@ def _fake_backward(run: Any) -> Callable[[torch.Tensor, bool], None]:
 
 
 def update_grpo(ctx: Trace) -> None:
-    """GRPO's update: ``train_grpo_flux.update_policy`` itself (replay, clipped loss, KL, optimizer steps)."""
-    trainer("train_grpo_flux").update_policy(ctx.run, ctx.traj, ctx.batch, ctx.samples, ctx.advantages, STEP)
+    """GRPO's update: ``train_grpo_flux.update_policy`` itself (replay, --policy_loss, KL, optimizer steps; the
+    gathered advantages order the samples under --shuffle_micro_batches / --drop_zero_advantage)."""
+    with unset_fake_temporarily():  # the trainer's gathered advantages are CPU values (rewards gather to the CPU):
+        adv_all = torch.linspace(-1.0, 1.0, len(ctx.adv_all))  # real ones here, a third exactly 0, so the weighted,
+        adv_all[::3] = 0.0  # padded micro-batches of --drop_zero_advantage / --shuffle_micro_batches are traced
+    trainer("train_grpo_flux").update_policy(ctx.run, ctx.traj, ctx.batch, ctx.samples, ctx.advantages, STEP,
+                                             adv_all)
 
 
 def update_dpo(ctx: Trace) -> None:
@@ -756,12 +761,18 @@ class Objective:
     old_policy_samples: bool = False
     keep_latents: bool = True
     group_advantages: bool = True  # the update needs ``Run.advantages`` (DPO pairs by reward instead)
+    variants: tuple[str, ...] | None = None  # the variants it is traced in (None: every one asked for)
 
 
 def default_objectives() -> list[Objective]:
     """GRPO (SDE rollout, KL to the reference, EMA), online DPO (reference snapshot, --ref_update_interval) and
-    DiffusionNFT (old policy, DPM-Solver++(2M) rollout, KL)."""
+    DiffusionNFT (old policy, DPM-Solver++(2M) rollout, KL); with LoRA only (their full fine-tune shares GRPO's / NFT's
+    sharding): GRPO-Guard on MixGRPO's sliding window with both micro-batch switches (weighted, padded micro-batches),
+    Flow-DPPO on Flow-GRPO's first-K timesteps, and AWM (on-policy rollout, old-policy KL anchor)."""
     from fastvideo import config
+
+    def old_policy(args: argparse.Namespace) -> dict[str, bool]:
+        return {"need_reference": args.kl_beta > 0, "old_policy": config.nft_uses_old_policy(args)}
 
     return [
         Objective("grpo", config.parse_grpo_args, config.validate_grpo,
@@ -774,7 +785,22 @@ def default_objectives() -> list[Objective]:
                   ("--kl_beta", "0.01", "--solver", "dpm2", "--eta", "0", "--timestep_fraction", "0.5"),
                   lambda a: {"need_reference": a.kl_beta > 0, "old_policy": True}, update_nft,
                   old_policy_samples=True, keep_latents=False),
+        Objective("grpo_guard", config.parse_grpo_args, config.validate_grpo,
+                  ("--policy_loss", "guard", "--clip_range", "2e-6", "--sde_window_size", "1", "--sde_window_schedule",
+                   "sliding", "--sde_window_shift_interval", "1", "--shuffle_micro_batches", "--drop_zero_advantage",
+                   "--gradient_accumulation_steps", "1", "--kl_beta", "0.01"),
+                  lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
+        Objective("grpo_dppo", config.parse_grpo_args, config.validate_grpo,
+                  ("--policy_loss", "dppo", "--timestep_selection", "first", "--timestep_fraction", "0.5",
+                   "--gradient_accumulation_steps", "1"),
+                  lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
+        Objective("awm", config.parse_nft_args, config.validate_nft,
+                  ("--objective", "awm", "--old_kl_beta", "0.1", "--kl_beta", "0.01", "--eta", "0",
+                   "--awm_timesteps", "1", "--timestep_fraction", "1.0"),
+                  old_policy, update_nft, keep_latents=False, variants=("lora",)),
     ]
+
+OBJECTIVES = ("grpo", "dpo", "nft", "grpo_guard", "grpo_dppo", "awm")
 
 
 VARIANTS: dict[str, tuple[str, ...]] = {"lora": ("--lora_rank", "4"), "full": ("--lora_rank", "0")}
@@ -792,6 +818,7 @@ class Trace:
     samples: Any
     rewards: dict[str, torch.Tensor] | None = None  # name -> (P*G,) gathered over ranks
     advantages: torch.Tensor | None = None  # (B,) this rank's, on the device
+    adv_all: torch.Tensor | None = None  # (P*G,) the gathered advantages
 
 
 @dataclass
@@ -891,7 +918,8 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     with sampler as model:
         traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, training.rollout_config(args),
                                run.noise, run.geometry, device=run.device, autocast_dtype=run.amp_dtype,
-                               keep_latents=objective.keep_latents)
+                               keep_latents=objective.keep_latents,
+                               keep_means=getattr(args, "policy_loss", "clip") != "clip")
     policy.model.train()
     return Trace(rec, run, traj, batch, samples)
 
@@ -902,7 +930,8 @@ def _score(trace: Trace, objective: Objective) -> None:
     run = trace.run
     trace.rewards, _ = run.score_rollout(trace.traj, trace.batch["prompts"])
     if objective.group_advantages:
-        _, _, trace.advantages = run.advantages(trace.rewards["total"], trace.samples, trace.traj.prompt_ids)
+        trace.adv_all, _, trace.advantages = run.advantages(trace.rewards["total"], trace.samples,
+                                                            trace.traj.prompt_ids)
 
 
 def _checkpoint(rec: Recorder, run: Any) -> dict[str, Any]:
@@ -1035,7 +1064,8 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
         if ok:
             for objective in objectives or default_objectives():
                 for variant in variants:
-                    _trace_path(rec, report, shared, objective, variant)
+                    if objective.variants is None or variant in objective.variants:
+                        _trace_path(rec, report, shared, objective, variant)
             if sp_size > 1:
                 grpo = next(o for o in default_objectives() if o.name == "grpo")
                 _trace_path(rec, report, shared, grpo, "lora", ("--sp_size", str(sp_size)), f"sp{sp_size}/grpo/lora")
@@ -1217,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hps_model", type=Path, help="its open_clip config JSON")
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the report here")
-    parser.add_argument("--objectives", default="grpo,dpo,nft", help="comma-separated objectives to trace")
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma-separated objectives to trace")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (lora, full)")
     parser.add_argument("--sp_size", type=int, default=2, help="the SP path's degree (1 = no SP path)")
     parser.add_argument("--extra", default="", help="flags for every trainer command line, e.g. '--cfg_scale 4.5'")

@@ -71,6 +71,8 @@ def test_trace_covers_every_path(report: dict) -> None:
     a check cannot pass by skipping a path."""
     expected = {f"{o}/{v}/{phase}" for o in ("grpo", "dpo", "nft") for v in fake_cuda.VARIANTS
                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
+    expected |= {f"{o}/lora/{phase}" for o in ("grpo_guard", "grpo_dppo", "awm")
+                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     expected |= {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"}
     assert expected <= set(report["paths"]), sorted(expected - set(report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in report["attention"] if f["iteration"]}
@@ -125,7 +127,7 @@ def test_family_pretend_cuda_trace(family_report: dict, check: str) -> None:
 
 def test_family_trace_covers_every_objective(family_report: dict) -> None:
     """Each objective's LoRA path ran every phase, and attention ran inside every budgeted loop."""
-    expected = {f"{o}/lora/{phase}" for o in ("grpo", "dpo", "nft")
+    expected = {f"{o}/lora/{phase}" for o in fake_cuda.OBJECTIVES
                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}

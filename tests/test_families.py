@@ -134,16 +134,27 @@ def _pipeline(model: Path):
     return pipe
 
 
+# each family also trains one of GRPO's newer policy losses (two optimizer steps per rollout, so the second replays a
+# moved policy): the guard's rollout means and the DPPO divergence go through the family's guided velocity
+POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
+               "qwen-image": ("--policy_loss", "dppo", "--timestep_selection", "first", "--timestep_fraction", "0.5"),
+               "flux2": ("--policy_loss", "guard", "--clip_range", "1e-3")}
+
+
 def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
     """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
-    replay): the first update's ratios are 1 (the replayed guided log-prob equals the rollout's), the loss is finite,
-    and the export changes the stock pipeline's images."""
+    replay), with the family's ``POLICY_LOSS``: the first update's ratios are 1 (the replayed guided log-prob equals
+    the rollout's), the loss is finite, the policy loss's own metric is there, and the export changes the stock
+    pipeline's images."""
     cfg = fam["family"].defaults.cfg_scale
     out = tmp_path / "grpo"
-    _grpo(fam, out, "--lora_rank", "4", "--cfg_scale", str(cfg))
+    flags = POLICY_LOSS[fam["family"].name]
+    _grpo(fam, out, "--lora_rank", "4", "--cfg_scale", str(cfg), "--gradient_accumulation_steps", "1", *flags)
     rows = _rows(out / "metrics.jsonl")
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in rows)
     assert rows[0]["ratio_first_update_max_dev"] < 1e-5, rows[0]
+    moved = "guard_bias_mean" if flags[1] == "guard" else "dppo_divergence_mean"
+    assert all(r[moved] > 0 for r in rows), rows  # the second optimizer step replays a moved policy
     assert rows[0]["grad_norm"] > 0  # the update reaches the adapter
     pipe = _pipeline(fam["model"])
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
@@ -225,8 +236,8 @@ def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_and_nft_train_with_lora(fam, tmp_path):
-    """Online DPO (CFG rollout, unguided loss) and DiffusionNFT (CFG-free, --cfg_scale 1), 2 steps each with LoRA on
-    2 ranks: finite losses, a moving policy, exports the stock pipeline loads and that change its images."""
+    """Online DPO (CFG rollout, unguided loss), DiffusionNFT and AWM (CFG-free, --cfg_scale 1), 2 steps each with LoRA
+    on 2 ranks: finite losses, a moving policy, exports the stock pipeline loads and that change its images."""
     common = ["--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path", str(fam["manifest"]),
               "--device", "cpu", "--h", str(H), "--w", str(W), "--sampling_steps", "4", "--num_generations", "4",
               "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
@@ -235,10 +246,12 @@ def test_dpo_and_nft_train_with_lora(fam, tmp_path):
     run_torchrun(["train_dpo.py", *common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
                   str(fam["family"].defaults.cfg_scale)])
     run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"])
+    run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "awm"), "--cfg_scale", "1", "--objective",
+                  "awm", "--awm_timesteps", "2"])
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
                 max_sequence_length=MSL)
     base = _pipeline(fam["model"])(generator=torch.Generator().manual_seed(0), **call).images
-    for name in ("dpo", "nft"):
+    for name in ("dpo", "nft", "awm"):
         rows = _rows(tmp_path / name / "metrics.jsonl")
         assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), (name, rows)
         pipe = _pipeline(fam["model"])

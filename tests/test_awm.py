@@ -1,0 +1,210 @@
+"""Advantage Weighted Matching (train_nft.py --objective awm): awm_loss against a float64 re-derivation (value and
+gradient, every weighting), its sign, the keep mask, the stratified timestep draw, the flags it refuses, and one
+2-step run of the trainer on the tiny model (1 rank, LoRA) whose weights must move."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import run_torchrun, validate_flags
+from test_train_nft import nft_args
+
+from fastvideo import config as C
+from fastvideo.logging import read_metrics
+from fastvideo.losses import awm_loss
+from fastvideo.rollout import awm_timesteps
+from fastvideo.seeding import NoiseSource
+
+B, L, C_ = 4, 6, 3
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(B, L, C_, generator=g)
+    eps = torch.randn(B, L, C_, generator=g)
+    t = torch.rand(B, generator=g) * 0.9 + 0.05
+    v = (eps - x0) + 0.7 * torch.randn(B, L, C_, generator=g)
+    return v, x0, eps, t, torch.randn(B, L, C_, generator=g), torch.randn(B, L, C_, generator=g)
+
+
+def _reference(v, x0, eps, t, adv, old, keep, *, weighting, p, clip, adv_clip, adv_max, v_ref, kl_beta, v_old,
+               old_kl_beta):
+    """AWM (train_sd3_awm.py compute_log_prob_awm + its exp_first PPO loss) written out in float64."""
+    v, x0, eps, t = v.double(), x0.double(), eps.double(), t.double()
+    ell = ((v - (eps - x0)) ** 2).sum(dim=(1, 2)) / (L * C_)
+    w = {"uniform": ell, "t": t * ell, "t2": t * t * ell, "huber": t * ((ell + 1e-10) ** 0.5 - 1e-5),
+         "ghuber": t * ((ell + 1e-10) ** p - 1e-10 ** p) / p}[weighting]
+    a = torch.minimum(torch.maximum(adv.double(), torch.tensor(-adv_clip)), torch.tensor(adv_clip)) * adv_max / adv_clip
+    ratio = torch.exp(-w - old.double())
+    clipped = torch.minimum(torch.maximum(ratio, torch.tensor(1 - clip)), torch.tensor(1 + clip))
+    per = torch.maximum(-a * ratio, -a * clipped) * keep.double()
+    kl = (((v - v_ref.double()) ** 2).sum(dim=(1, 2)) / (L * C_) * keep.double()).sum() / B
+    old_kl = (((v - v_old.double()) ** 2).sum(dim=(1, 2)) / (L * C_) * keep.double()).sum() / B
+    return per.sum() / B + kl_beta * kl + old_kl_beta * old_kl
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "t", "t2", "huber", "ghuber"])
+def test_awm_loss_matches_a_float64_rederivation(weighting):
+    """Value and gradient w.r.t. v_theta, with ratios inside and outside the clip, v_ref / v_old terms, a dropped
+    sample and advantages beyond the clip."""
+    v, x0, eps, t, v_ref, v_old = _inputs()
+    adv = torch.tensor([2.0, -7.0, 0.5, -1.5])
+    old = torch.tensor([-0.3, 0.2, -1.0, 0.6])  # log-prob proxies of the old policy: ratios far from and near 1
+    keep = torch.tensor([True, True, False, True])
+    flags = dict(weighting=weighting, clip=0.3, adv_clip=5.0, adv_max=0.8, kl_beta=0.05, old_kl_beta=0.2)
+    v32 = v.clone().requires_grad_(True)
+    loss, metrics = awm_loss(v32, x0, eps, t, adv, old_log_prob=old, weighting=weighting, ghuber_power=0.25,
+                             clip_range=0.3, adv_clip_max=5.0, advantage_max=0.8, v_ref=v_ref, kl_beta=0.05,
+                             v_old=v_old, old_kl_beta=0.2, keep=keep)
+    loss.backward()
+    v64 = v.double().requires_grad_(True)
+    ref = _reference(v64, x0, eps, t, adv, old, keep, p=0.25, v_ref=v_ref, v_old=v_old, **flags)
+    ref.backward()
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(v32.grad.double(), v64.grad, rtol=1e-4, atol=1e-7)
+    assert v32.grad[2].abs().max() == 0.0  # the dropped sample
+    for name, value in metrics.items():
+        assert value.dtype == torch.float32 and value.ndim == 0 and not value.requires_grad, name
+
+
+def test_on_policy_gradient_is_the_advantage_weighted_matching_loss():
+    """Without old log-probs the ratio is exactly 1 (the loss is -mean(a)) and the gradient is that of
+    mean(a * w(l, t)): AWM's advantage-weighted flow-matching loss."""
+    v, x0, eps, t, _, _ = _inputs(1)
+    adv = torch.tensor([1.0, -2.0, 3.0, -0.5])
+    v1 = v.clone().requires_grad_(True)
+    loss, metrics = awm_loss(v1, x0, eps, t, adv, weighting="t", adv_clip_max=5.0, advantage_max=1.0)
+    loss.backward()
+    a = adv / 5.0
+    assert loss.item() == pytest.approx(-a.mean().item(), abs=1e-7)
+    assert metrics["ratio_mean"].item() == 1.0 and metrics["clipfrac"].item() == 0.0
+    v2 = v.clone().requires_grad_(True)
+    (a * t * ((v2 - (eps - x0)) ** 2).mean(dim=(1, 2))).mean().backward()
+    torch.testing.assert_close(v1.grad, v2.grad, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_positive_advantage_lowers_the_loss_as_the_prediction_nears_the_target(sign):
+    v, x0, eps, t, _, _ = _inputs(2)
+    target = eps - x0
+    start = target + (v - target)  # the prediction at scale 1
+    old = -((start - target) ** 2).mean(dim=(1, 2)) * t  # the old policy = the starting prediction (weighting t)
+    adv = torch.full((B,), sign)
+    losses = [awm_loss(target + s * (v - target), x0, eps, t, adv, old_log_prob=old, weighting="t",
+                       clip_range=100.0)[0].item() for s in (1.0, 0.75, 0.5, 0.25, 0.0)]
+    steps = [b - a for a, b in zip(losses, losses[1:])]
+    assert all(d < 0 for d in steps) if sign > 0 else all(d > 0 for d in steps), losses
+    # one gradient step on v: a positive advantage lowers the matching error, a negative one raises it
+    v1 = v.clone().requires_grad_(True)
+    awm_loss(v1, x0, eps, t, adv, weighting="uniform")[0].backward()
+    error = lambda u: ((u - target) ** 2).mean().item()  # noqa: E731
+    assert (error(v - 0.1 * v1.grad) < error(v)) == (sign > 0)
+
+
+def test_keep_mask_drops_a_non_finite_sample_exactly():
+    v, x0, eps, t, v_ref, _ = _inputs(3)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    keep = torch.tensor([True, False, True, True])
+    bad_v, bad_x0 = v.clone(), x0.clone()
+    bad_v[1], bad_x0[1] = float("nan"), float("inf")
+    v1 = bad_v.clone().requires_grad_(True)
+    loss, metrics = awm_loss(v1, bad_x0, eps, t, adv, old_log_prob=torch.zeros(B), v_ref=v_ref, kl_beta=0.1,
+                             keep=keep)
+    loss.backward()
+    assert math.isfinite(loss.item()) and all(math.isfinite(m.item()) for m in metrics.values())
+    assert torch.isfinite(v1.grad).all() and v1.grad[1].abs().max() == 0.0
+    sub = [0, 2, 3]  # the same three samples alone: the batch mean of the masked run still divides by B = 4
+    v2 = v[sub].clone().requires_grad_(True)
+    alone, _ = awm_loss(v2, x0[sub], eps[sub], t[sub], adv[sub], old_log_prob=torch.zeros(3), v_ref=v_ref[sub],
+                        kl_beta=0.1)
+    alone.backward()
+    assert loss.item() == pytest.approx(alone.item() * 3 / 4, rel=1e-6)
+    torch.testing.assert_close(v1.grad[sub], v2.grad * 3 / 4, rtol=1e-5, atol=1e-8)
+
+
+def test_awm_timesteps_one_per_stratum_keyed_per_sample():
+    noise = NoiseSource(7)
+    draws = awm_timesteps(noise, 3, [0, 0, 5, 5], [0, 1, 0, 1], sampling_steps=10, timestep_fraction=0.9,
+                          num_timesteps=3)
+    assert draws.shape == (4, 3) and draws.dtype == torch.long
+    bounds = torch.linspace(0, 9, 4).long()  # strata [0, 3), [3, 6), [6, 9)
+    assert ((draws >= bounds[:-1]) & (draws < bounds[1:])).all()
+    alone = awm_timesteps(noise, 3, [5], [1], sampling_steps=10, timestep_fraction=0.9, num_timesteps=3)
+    assert torch.equal(alone[0], draws[3]), "a sample's draw depends on the batch around it"
+    assert torch.equal(awm_timesteps(noise, 3, [0], [0], 4, 0.99), torch.tensor([[0, 1, 2]]))  # K = M: every sigma
+    with pytest.raises(ValueError, match="1 <= K <= 3"):
+        awm_timesteps(noise, 3, [0], [0], 4, 0.99, num_timesteps=4)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--old_kl_beta", "0.1"), "only apply to --objective awm"),
+    (("--objective", "awm", "--nft_beta", "0.1"), "--nft_beta shape DiffusionNFT"),
+    (("--objective", "awm", "--old_decay_schedule", "awm"), "--old_kl_beta > 0"),
+    (("--objective", "awm", "--awm_weighting", "t", "--ghuber_power", "0.5"), "only shapes --awm_weighting ghuber"),
+    (("--objective", "awm", "--awm_timesteps", "5", "--sampling_steps", "4"), "--awm_timesteps <= 3"),
+    (("--objective", "awm", "--awm_clip_range", "0"), "--awm_clip_range must be > 0"),
+])
+def test_validation_refuses_what_awm_cannot_use(tmp_path, flags, match):
+    with pytest.raises(ValueError, match=match):
+        validate_flags(tmp_path, C.parse_nft_args, C.validate_nft, *flags)
+
+
+def test_validation_counts_awm_timesteps(tmp_path):
+    counts = validate_flags(tmp_path, C.parse_nft_args, C.validate_nft, "--objective", "awm", "--sampling_steps", "10",
+                            "--timestep_fraction", "0.7", "--awm_timesteps", "4", "--old_kl_beta", "0.1",
+                            "--old_decay_schedule", "awm")
+    assert counts["trained_timesteps"] == 4
+
+
+# 2 prompts x 2 images on 1 rank, micro-batches of 2, an optimizer step after each: the second micro-batch's ratio is
+# taken against theta before the first step (rollout_log_probs), so approx_kl > 0 shows that path ran
+AWM = ("--objective", "awm", "--prompts_per_step", "2", "--num_generations", "2", "--train_batch_size", "2",
+       "--gradient_accumulation_steps", "1", "--awm_timesteps", "2", "--old_kl_beta", "0.1", "--old_decay_schedule",
+       "awm", "--lora_rank", "4", "--learning_rate", "3e-2", "--sample_every", "0", "--max_train_steps", "2")
+
+
+def test_awm_run_trains_the_lora(tiny_flux_dir, tiny_data, hps_flags, tmp_path):
+    import safetensors.torch
+
+    out = tmp_path / "awm"
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *AWM, *hps_flags), nproc=1)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in ("loss", "policy_loss", "kl", "old_kl", "matching_loss", "weighted_matching", "ratio_mean",
+                    "clipfrac", "approx_kl", "grad_norm", "old_decay"):
+            assert math.isfinite(row[key]), (key, row[key])
+        assert row["trained_timesteps"] == 2 and "r_mean" not in row and "L_pos" not in row
+    assert rows[0]["approx_kl"] > 0, "the second micro-batch's ratio must be against theta before the first step"
+    assert all(r["old_kl"] > 0 for r in rows)  # old = theta at the start, then lags theta's first optimizer step
+    assert [r["old_decay"] for r in rows] == pytest.approx([0.002, 0.004])  # min(0.001 n, 0.3), n optimizer steps
+    weights = safetensors.torch.load_file(out / "final" / "pytorch_lora_weights.safetensors")
+    lora_b = [w for k, w in weights.items() if "lora_B" in k]
+    assert lora_b and max(w.abs().max().item() for w in lora_b) > 0, "LoRA B is still its zero init"
+
+
+# slow for the default suite's time (~8 s, as NFT's full fine-tune); AWM's update runs by default in
+# test_awm_run_trains_the_lora
+@pytest.mark.slow
+def test_awm_full_finetune_off_policy(tiny_flux_dir, tiny_data, tmp_path):
+    """Full fine-tune, rollouts sampled by the old policy (a second sharded transformer) and the ratio taken against
+    it: the run is finite and the exported transformer differs from the base."""
+    from diffusers import FluxTransformer2DModel
+
+    out = tmp_path / "full"
+    flags = [f for f in AWM if f not in ("--old_kl_beta", "0.1")]
+    flags[flags.index("--lora_rank") + 1] = "0"
+    flags[flags.index("--learning_rate") + 1] = "1e-4"
+    run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *flags, "--awm_off_policy", "--reward",
+                          "jpeg_compressibility:1.0"), nproc=1)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    # the sampler (old) stays put during a step while theta takes two optimizer steps: the second micro-batch's ratio
+    # and distance (logged; no loss term without --old_kl_beta) are taken against the old policy, not theta itself
+    assert rows[0]["approx_kl"] > 0 and rows[0]["old_kl"] > 0
+    tuned = FluxTransformer2DModel.from_pretrained(out / "final")
+    base = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
+    assert max((p - q).abs().max().item() for p, q in zip(tuned.parameters(), base.parameters())) > 1e-6
