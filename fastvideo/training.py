@@ -606,6 +606,11 @@ class Run:
         dataset = EmbeddingDataset(args.data_json_path).use(family, negative=guided)
         dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
+        sp = getattr(args, "sp_size", 1)
+        if sp > 1 and dataset.max_sequence_length % sp:  # the evaluation prompts share this length (below)
+            from fastvideo.models.flux import text_length_refusal
+
+            raise ValueError(text_length_refusal(dataset.max_sequence_length, sp))
         if args.eval_prompts is not None:
             from fastvideo.evaluation import prompt_manifest
 

@@ -314,6 +314,17 @@ def text_ids(num_tokens: int, device: str | torch.device | None = None,
 
 
 # -------------------------------------------------------------------------------------------- model calls
+def text_length_refusal(text_tokens: int, sp_size: int) -> str:
+    """Why --sp_size ``sp_size`` cannot run ``text_tokens`` text tokens, and the fix: Ulysses splits the text sequence
+    evenly over the group, and padding it with zero embeddings would add tokens that attention reads (no mask), so the
+    trained function would differ from the base model's."""
+    fits = [d for d in (1, 2, 4, 8) if text_tokens % d == 0]
+    return (f"--sp_size {sp_size} does not divide the embeddings' {text_tokens} text tokens: Ulysses splits the text "
+            "evenly over the group, and padding it would add tokens that attention reads (the trained model would "
+            f"differ from the base model); preprocess with a --max_sequence_length that is a multiple of {sp_size} "
+            f"(e.g. {text_tokens - text_tokens % sp_size}), or use --sp_size {' / '.join(map(str, fits))}")
+
+
 def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | torch.Tensor,
                      prompt_embeds: torch.Tensor, pooled: torch.Tensor, img_ids: torch.Tensor,
                      txt_ids: torch.Tensor, guidance: float | torch.Tensor | None = 3.5) -> torch.Tensor:
@@ -343,10 +354,8 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
         dtype = model_dtype(transformer)
         latents, prompt_embeds, pooled = latents.to(dtype), prompt_embeds.to(dtype), pooled.to(dtype)
     sp = sequence_parallel_size(transformer)
-    if prompt_embeds.shape[1] % sp:  # Ulysses splits the text sequence evenly: zero embeddings (ids 0) appended
-        pad = sp - prompt_embeds.shape[1] % sp
-        prompt_embeds = torch.nn.functional.pad(prompt_embeds, (0, 0, 0, pad))
-        txt_ids = torch.cat([txt_ids, txt_ids.new_zeros(pad, txt_ids.shape[1])])
+    if prompt_embeds.shape[1] % sp:  # Ulysses splits the text evenly; padding it would add tokens attention reads
+        raise ValueError(text_length_refusal(prompt_embeds.shape[1], sp))
     out = transformer(
         hidden_states=latents,
         timestep=timestep,
