@@ -162,8 +162,8 @@ def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | 
     rank = run.dist.dp_rank
     chunks = share_samples(order, rank, run.dist.dp_size, owners=torch.arange(total) // num_samples,
                            num_chunks=counts["optimizer_steps_per_rollout"])
-    steps = [[(p - rank * num_samples, w) for p, w in zip(pos.split(tbs), weights.split(tbs))]
-             for pos, weights in chunks]
+    steps = [[(p - rank * num_samples, w) for p, w in zip(pos.split(tbs), weights.split(tbs)) if len(p)]
+             for pos, weights in chunks]  # a chunk with no sample (every one dropped) is [] on every rank
     return steps, len(order) / total
 
 

@@ -62,17 +62,23 @@ def run_dir(out: Path, algo: str, setting: str, seed: int) -> Path:
 
 
 def launch(algo: str, flags: dict[str, str], output_dir: Path, *, seed: int, budget_s: float, eval_every: int,
-           eval_prompts: int, data_dir: Path, eval_json: Path | None = None) -> Path:
-    """One training run through the algorithm's launcher (skipped if it already finished); returns its folder."""
+           eval_prompts: int, data_dir: Path, eval_json: Path | None = None, max_steps: int | None = None,
+           nproc: int = 1, demo: str = "toyworld") -> Path:
+    """One training run through the algorithm's launcher (skipped if it already finished); returns its folder.
+    ``max_steps``: a fixed number of steps instead of the ``budget_s`` seconds; ``nproc``: ranks (torchrun); ``demo``:
+    the launchers' DEMO (toyworld, jpeg)."""
     if (output_dir / "final").exists():
         return output_dir
-    extra = [x for kv in flags.items() for x in kv]
-    args = [*extra, "--seed", str(seed), "--max_train_seconds", str(budget_s), "--max_train_steps", "100000",
-            "--eval_every", str(eval_every), "--eval_max_prompts", str(eval_prompts), "--sample_every", "0",
-            "--checkpointing_steps", "100000", "--no-progress_bar"]
+    extra = [x for k, v in flags.items() for x in (k, *v.split())]  # "--flag": "a b" passes two values
+    length = (["--max_train_steps", str(max_steps)] if max_steps else
+              ["--max_train_seconds", str(budget_s), "--max_train_steps", "100000"])
+    evaluation = (["--eval_every", str(eval_every), "--eval_max_prompts", str(eval_prompts)] if demo == "toyworld"
+                  else [])  # the JPEG demo has no held-out prompts
+    args = [*extra, "--seed", str(seed), *length, *evaluation, "--sample_every", "0", "--checkpointing_steps",
+            "100000", "--no-progress_bar"]
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable), "DATA_DIR": str(data_dir),
-           "OUTPUT_DIR": str(output_dir), "DEMO": "toyworld",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "NPROC_PER_NODE": "1"}
+           "OUTPUT_DIR": str(output_dir), "DEMO": demo,
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "NPROC_PER_NODE": str(nproc)}
     env.pop("MODEL_PATH", None)
     if eval_json is not None:
         env["EVAL_JSON"] = str(eval_json)

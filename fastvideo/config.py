@@ -675,7 +675,8 @@ class Exclusion:
 # validate_sample refuse together (tests/test_flag_layers.py checks each is refused on one command line and yields
 # across layers). DPO's offline mode (--preference_file) excludes each of its online-only flags.
 DPO_ONLINE_ONLY = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type", "sde_window_size",
-                   "sde_window_range", "init_same_noise", "decode_x0", "last_step", "replay_images")
+                   "sde_window_range", "sde_window_schedule", "sde_window_shift_interval", "sde_window_stride",
+                   "init_same_noise", "decode_x0", "last_step", "replay_images")
 EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion("sde_window_size", "timestep_fraction",
               lambda a, d: a.sde_window_size > 0 and a.timestep_fraction is not None),
@@ -1109,7 +1110,8 @@ def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # sampling flags an ODE (old-policy) rollout has no use for
-SDE_ONLY_FLAGS = ("eta", "sde_type", "sde_window_size", "sde_window_range", "last_step")
+SDE_ONLY_FLAGS = ("eta", "sde_type", "sde_window_size", "sde_window_range", "sde_window_schedule",
+                  "sde_window_shift_interval", "sde_window_stride", "last_step")
 
 
 # flags of train_nft.py's --objective awm (NFTOptions)

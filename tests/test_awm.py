@@ -208,3 +208,24 @@ def test_awm_full_finetune_off_policy(tiny_flux_dir, tiny_data, tmp_path):
     tuned = FluxTransformer2DModel.from_pretrained(out / "final")
     base = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
     assert max((p - q).abs().max().item() for p, q in zip(tuned.parameters(), base.parameters())) > 1e-6
+
+
+# slow for the default suite's time; the resume machinery AWM shares (old adapter, sampler, schedule, RNG) is resumed
+# by default in test_train_nft.py, and AWM's own state is that old adapter
+@pytest.mark.slow
+def test_awm_resumes_exactly(tiny_flux_dir, tiny_data, tmp_path):
+    """4 AWM steps on 2 ranks (old-policy KL anchor, two optimizer steps per rollout) and the same run resumed from its
+    step-2 checkpoint log the same metrics (old_kl and approx_kl included: the old adapter and the precomputed
+    proxies must come back exactly)."""
+    from helpers import assert_resume_matches
+
+    assert AWM[-2:] == ("--max_train_steps", "2")
+    flags = AWM[:-2]
+    args = lambda out: nft_args(tiny_flux_dir, tiny_data, out, *flags, "--max_train_steps", "4",  # noqa: E731
+                                "--checkpointing_steps", "2", "--num_generations", "4", "--reward",
+                                "jpeg_compressibility:1.0")
+    straight = tmp_path / "straight"
+    run_torchrun(args(straight))
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["old_kl"] > 0 for r in rows)
+    assert_resume_matches(straight, tmp_path / "resumed", 2, args(tmp_path / "resumed"))

@@ -43,6 +43,11 @@ CASES = [
         ({"eta": 0.5, "sampler": "sde"}, "would do nothing"), ({"sde_type": "cps"}, "would do nothing"),
         ({"sde_window_size": 2, "sampler": "sde"}, "would do nothing"),
         ({"sde_window_range": [0, 4], "sde_window_size": 2, "sampler": "sde"}, "would do nothing"),
+        ({"sde_window_schedule": "sliding", "sde_window_size": 2, "sampler": "sde"}, "would do nothing"),
+        ({"sde_window_shift_interval": 5, "sde_window_schedule": "sliding", "sde_window_size": 2, "sampler": "sde"},
+         "would do nothing"),
+        ({"sde_window_stride": 2, "sde_window_schedule": "sliding", "sde_window_size": 2, "sampler": "sde"},
+         "would do nothing"),
         ({"init_same_noise": True, "sampler": "sde"}, "would do nothing"), ({"decode_x0": True}, "would do nothing"),
         ({"last_step": "ode"}, "would do nothing"),
         ({"replay_images": True}, "--replay_images takes the images of a recording"))),  # (checked first)

@@ -5,6 +5,7 @@ their own metrics, exact resume; (slow) each raises the toy world's reward over 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -42,13 +43,13 @@ def data(tiny_flux_dir, tmp_path_factory):
 
 
 def _check_rows(rows: list[dict], name: str) -> None:
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["ratio_first_update_max_dev"] < 1e-5 and row["clipfrac_first_update"] == 0.0  # on-policy
     if name.startswith("guard"):
         # the sliding window: steps 0-1, 2-3, then back to 0 (range [0, 5), window 2, stride 2, one step each)
-        assert [r["window_start"] for r in rows] == [0, 2, 0, 2]
+        assert [r["window_start"] for r in rows] == [0, 2, 0]
         assert all(r["trained_timesteps"] == 2 for r in rows)
         # >= 0 by construction; > 0: the second optimizer step of each rollout replays a moved mean
         assert all(r["guard_bias_mean"] > 0 for r in rows)
@@ -59,15 +60,144 @@ def _check_rows(rows: list[dict], name: str) -> None:
         assert all(r["dppo_divergence_mean"] > 0 for r in rows)  # the second optimizer step replays a moved mean
 
 
-@pytest.mark.parametrize("name", [
-    "guard+sliding+shuffle+drop",
-    pytest.param("dppo+first+population+dance_kl", marks=pytest.mark.slow),  # default cover: the guard variant's path
-])
+# slow for the default suite's time: by default GRPO-Guard and Flow-DPPO train end to end in test_families.py (two
+# optimizer steps per rollout, every family), the sliding window and both micro-batch switches run through
+# update_policy in the pretend-CUDA trace (test_fake_cuda.py), and their orders are unit-tested here
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["guard+sliding+shuffle+drop", "dppo+first+population+dance_kl"])
 def test_variant_is_on_policy_and_resumes_exactly(tiny_flux_dir, data, tmp_path, name):
-    """4 steps on 2 ranks, then the same run resumed from its step-2 checkpoint logs the same metrics."""
+    """3 steps on 2 ranks, then the same run resumed from its step-2 checkpoint logs the same step 3 (the window
+    position, the shuffle, the dropped samples, the guard's rollout means are all functions of the step or restored)."""
     straight = tmp_path / "straight"
-    run_torchrun(grpo_args(tiny_flux_dir, data, straight, "--max_train_steps", "4", *VARIANTS[name]))
+    run_torchrun(grpo_args(tiny_flux_dir, data, straight, "--max_train_steps", "3", *VARIANTS[name]))
     _check_rows(read_metrics(straight / "metrics.jsonl"), name)
     assert_resume_matches(straight, tmp_path / "resumed", 2,
-                          grpo_args(tiny_flux_dir, data, tmp_path / "resumed", "--max_train_steps", "4",
+                          grpo_args(tiny_flux_dir, data, tmp_path / "resumed", "--max_train_steps", "3",
                                     *VARIANTS[name]))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (("--policy_loss", "guard", "--sde_type", "cps"), "cps's log_prob drops the 1/"),
+    (("--policy_loss", "dppo", "--sde_type", "cps", "--sde_window_size", "2", "--sde_window_range", "2", "4",
+      "--sampling_steps", "4"), "divergence is undefined"),
+    (("--policy_loss", "dppo", "--dppo_threshold", "0"), "--dppo_threshold must be > 0"),
+    (("--timestep_selection", "first", "--timestep_fraction", "1.0", "--last_step", "ode"), "fraction below 1"),
+    (("--timestep_selection", "first", "--timestep_fraction", "1.0", "--sde_type", "cps"), "cps has no noise"),
+    (("--sde_window_schedule", "sliding"), "--sde_window_size"),
+])
+def test_bad_objective_flags_are_refused_with_the_fix(tmp_path, flags, match):
+    """What a policy loss or switch cannot do is refused before anything loads, naming the reason and the fix."""
+    from helpers import validate_flags
+
+    from fastvideo import config as C
+
+    with pytest.raises(ValueError, match=match):
+        validate_flags(tmp_path, C.parse_grpo_args, C.validate_grpo, *flags)
+    counts = validate_flags(tmp_path, C.parse_grpo_args, C.validate_grpo, "--timestep_selection", "first",
+                            "--timestep_fraction", "0.5", "--sampling_steps", "8")
+    assert counts["trained_timesteps"] == 4  # Flow-GRPO's int(S x f) of all S steps
+
+
+def _order(adv_all, rank: int, world: int, *, drop: bool, shuffle: bool, tbs: int = 2, steps: int = 2):
+    """``train_grpo_flux.training_order`` for one rank of ``world`` (the run's pieces it reads, as a namespace)."""
+    from types import SimpleNamespace
+
+    from fastvideo.seeding import NoiseSource
+    from fake_cuda import trainer
+
+    n = len(adv_all) // world
+    accum = n // tbs // steps
+    run = SimpleNamespace(args=SimpleNamespace(train_batch_size=tbs, drop_zero_advantage=drop,
+                                               shuffle_micro_batches=shuffle),
+                          counts={"gradient_accumulation_steps": accum, "optimizer_steps_per_rollout": steps},
+                          dist=SimpleNamespace(dp_rank=rank, dp_size=world), noise=NoiseSource(5))
+    return trainer("train_grpo_flux").training_order(run, n, adv_all, step=3)
+
+
+@pytest.mark.parametrize("drop,shuffle", [(True, False), (False, True), (True, True)])
+def test_training_order_is_world_size_invariant(drop, shuffle):
+    """The samples of each optimizer step and their loss weights (divided by the world size: FSDP averages the ranks'
+    gradients) are the same on 1, 2 and 4 ranks; every rank of a world runs the same number of forwards; a rank trains
+    only its own samples; without the switches the order is today's (group order, no weights)."""
+    import torch
+
+    adv = torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0, 0.0, -0.5, 0.5, 0.0, 1.5, -2.0, 0.0, 0.3, 0.0, 0.0, -0.3])
+    per_world = {}
+    for world in (1, 2, 4):
+        n = len(adv) // world
+        seen: list[dict[int, float]] = []
+        for rank in range(world):
+            steps, kept = _order(adv, rank, world, drop=drop, shuffle=shuffle)
+            assert kept == (float((adv != 0).float().mean()) if drop else 1.0)
+            for c, micro in enumerate(steps):
+                while len(seen) <= c:
+                    seen.append({})
+                for idx, w in micro:
+                    assert ((idx >= 0) & (idx < n)).all()  # local indices of this rank's own samples
+                    for i, wi in zip((idx + rank * n).tolist(), w.tolist()):
+                        if wi > 0:
+                            seen[c][i] = seen[c].get(i, 0.0) + wi / world
+        for c in range(2):  # FSDP: every rank runs the same number of forwards in each optimizer step
+            assert len({sum(len(i) for i, _ in _order(adv, r, world, drop=drop, shuffle=shuffle)[0][c])
+                        for r in range(world)}) == 1
+        per_world[world] = seen
+        if drop:
+            assert all(adv[i] != 0 for step in seen for i in step)
+    for world in (2, 4):
+        assert [sorted(s) for s in per_world[world]] == [sorted(s) for s in per_world[1]]
+        for a, b in zip(per_world[world], per_world[1]):
+            assert all(abs(a[i] - b[i]) < 1e-6 for i in a)
+    assert all(abs(sum(s.values()) - 1.0) < 1e-6 for s in per_world[1])  # each step: the mean over its samples
+    default, kept = _order(adv, 1, 2, drop=False, shuffle=False)
+    assert kept == 1.0 and [[i.tolist() for i, w in m if w is None] for m in default] == [[[0, 1], [2, 3]],
+                                                                                            [[4, 5], [6, 7]]]
+    none, kept = _order(torch.zeros(16), 0, 2, drop=True, shuffle=shuffle)
+    assert kept == 0.0 and none == [[], []]  # nothing to train: no forward, no optimizer step on any rank
+
+
+@pytest.fixture(scope="module")
+def objective_runs(tmp_path_factory):
+    """benchmarks/objectives.py's JPEG-world runs for seed 0 (2 ranks, through the demo launchers, one shared
+    DATA_DIR): a function ``runs(name) -> (trained rows, control rows)``; each run is made once and reused."""
+    import sys
+
+    from helpers import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import objectives
+
+    root = tmp_path_factory.mktemp("objectives")
+
+    def runs(name: str):
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # as the benchmark that chose the margins ran (thread count: rounding)
+        try:
+            return tuple(objectives.rows(objectives.run(root / "out", "jpeg", name, 0, STEPS, root / "data",
+                                                        control=c)) for c in (False, True))
+        finally:
+            os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
+    return runs
+
+
+STEPS = 40
+# Gain over the lr-0 control in kB of JPEG (training images, mean of the last 10 of 40 steps; negative = smaller),
+# measured with `OMP_NUM_THREADS=1 python benchmarks/objectives.py --seeds 0 1 2` (2 ranks): see each value's comment
+# (seeds 0 / 1 / 2): guard -0.325 / -0.326 / -0.799, dppo -0.250 / -0.208 / -0.155, sliding -0.195 / -0.454 / -0.391,
+# awm -0.796 / -0.526 / -0.564 (GRPO's clip with the same two optimizer steps per rollout: -0.283 / -0.183 / -0.143).
+# Each margin is half the smallest change over the seeds; a loss with the wrong sign or no gradient gives >= 0.
+MARGINS_KB: dict[str, float] = {"guard": -0.16, "dppo": -0.075, "sliding": -0.09, "awm": -0.26}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["guard", "dppo", "sliding", "awm"])
+def test_objective_learns(objective_runs, name):
+    """Each new objective makes the tiny FLUX's images JPEG-smaller than its lr-0 control within 40 steps (seed 0) by
+    the margin chosen over 3 seeds; the GRPO variants stay on-policy at their first update. (The toy world cannot show
+    this at its current base model: GRPO itself does not raise its training reward within 30 steps; issue 31.)"""
+    trained, control = objective_runs(name)
+    assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    kb = -500 * (sum(r["reward_mean"] for r in trained[-10:]) - sum(r["reward_mean"] for r in control[-10:])) / 10
+    print(f"{name}: JPEG size {kb:+.3f} kB vs lr 0 (margin {MARGINS_KB[name]})")
+    assert kb < MARGINS_KB[name], f"{name}: JPEG size {kb:+.3f} kB vs its lr-0 control (must be < {MARGINS_KB[name]})"
+    if name != "awm":
+        assert max(r["ratio_first_update_max_dev"] for r in trained) < 1e-5
