@@ -201,3 +201,25 @@ def test_objective_learns(objective_runs, name):
     assert kb < MARGINS_KB[name], f"{name}: JPEG size {kb:+.3f} kB vs its lr-0 control (must be < {MARGINS_KB[name]})"
     if name != "awm":
         assert max(r["ratio_first_update_max_dev"] for r in trained) < 1e-5
+
+
+def test_checkpoints_from_before_the_new_flags_still_resume():
+    """The run-defining flags added with the new objectives keep an older checkpoint's fingerprint where they do not
+    act (their earlier value, or a setting they do not change: --kl_form on flow_sde); a run that uses one differs,
+    and the refusal names the flag."""
+    from fastvideo import training
+
+    old = {"algorithm": "grpo", "seed": 3, "sde_type": "flow_sde", "kl_beta": 0.04, "global_std": False}
+    new = {**old, "sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1,
+           "group_std": "unbiased", "timestep_selection": "random", "policy_loss": "clip", "dppo_threshold": 1e-5,
+           "kl_form": "reference", "drop_zero_advantage": False, "shuffle_micro_batches": False}
+    assert training.run_identity(new)["config_fingerprint"] == training.run_identity(old)["config_fingerprint"]
+    training.check_resume_config(new, old)  # nothing differs
+    for key, value in (("policy_loss", "guard"), ("sde_window_schedule", "sliding"), ("drop_zero_advantage", True)):
+        changed = {**new, key: value}
+        assert training.run_identity(changed)["config_fingerprint"] != training.run_identity(old)["config_fingerprint"]
+        with pytest.raises(ValueError, match=f"--{key}: checkpoint"):
+            training.check_resume_config(changed, old)
+    cps = {**old, "sde_type": "cps"}  # --kl_form acts on cps with a KL: the old form was per_unit_time
+    with pytest.raises(ValueError, match="--kl_form: checkpoint 'per_unit_time' vs now 'reference'"):
+        training.check_resume_config({**cps, "kl_form": "reference"}, cps)
