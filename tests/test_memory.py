@@ -261,6 +261,10 @@ RECIPE = ["--h", "720", "--w", "720", "--sampling_steps", "16", "--sde_type", "d
           "--mixed_precision", "bf16", "--use_ema", "--decode_x0"]
 
 
+# slow for the default suite's time: by default test_recipes.py plans every FLUX.1-dev recipe with the trainer's own
+# --dry_run on these configs (within 80 GB, under its time limit) and test_plan_arithmetic_for_flux_dev checks the
+# model-state lines' bytes
+@pytest.mark.slow
 def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
     """The docs/memory.md recipe (full fine-tune, 720^2, 8 ranks) from a folder of FLUX.1-dev configs without weights:
     under 30 s, within 80 GB per GPU, and the process never holds the 48 GB model (meta device)."""

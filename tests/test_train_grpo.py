@@ -318,6 +318,10 @@ def test_resume_below_the_checkpoint_step_is_refused(lora_run, tiny_flux_dir, ti
     assert (lora_run / "final" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == final
 
 
+# slow for the default suite's time (six processes): by default test_flag_layers.py checks that a bad flag or input
+# path is one line and exit status 2 before anything loads (an unknown reward too, via --check_only),
+# test_bad_inputs.py the embeddings' and the batch flags' refusals in process, test_grpo_objectives.py GRPO's
+@pytest.mark.slow
 def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):
     def run(*extra: str) -> str:
         proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, tmp_path / "bad", *extra)],
