@@ -146,7 +146,7 @@ def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | 
     step's global training order into optimizer steps with ``advantages.share_samples``: each rank trains its own
     samples of each, padded at weight 0 to the same count, real samples at weights that make the loss the mean over
     the optimizer step's samples, whatever the world size."""
-    from fastvideo.advantages import share_samples, shuffle_order
+    from fastvideo.advantages import nonzero_selection, share_samples, shuffle_order
 
     args, counts = run.args, run.counts
     tbs, accum = args.train_batch_size, counts["gradient_accumulation_steps"]
@@ -156,9 +156,8 @@ def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | 
     if adv_all is None:
         raise ValueError("--shuffle_micro_batches / --drop_zero_advantage order the gathered batch: pass adv_all")
     total = len(adv_all)
-    order = shuffle_order(run.noise, step, total) if args.shuffle_micro_batches else torch.arange(total)
-    if args.drop_zero_advantage:
-        order = order[adv_all.cpu()[order] != 0]
+    selected = nonzero_selection(adv_all) if args.drop_zero_advantage else torch.arange(total)
+    order = shuffle_order(run.noise, step, total, selected=selected) if args.shuffle_micro_batches else selected
     rank = run.dist.dp_rank
     chunks = share_samples(order, rank, run.dist.dp_size, owners=torch.arange(total) // num_samples,
                            num_chunks=counts["optimizer_steps_per_rollout"])
