@@ -8,9 +8,9 @@
 ``--run_dir OUT`` (a trainer's --output_dir) takes every setting from the run's OUT/config.json: the base model, the
 export in OUT/final (a LoRA or a full transformer, detected), --h/--w, the sampler (steps, shift, guidance, noise
 device), the text length of its embeddings, its held-out --eval_prompts (the first --eval_max_prompts,
---eval_num_images images each), its --reward and reward paths, --device and --mixed_precision; it samples into
-OUT/sampled/final, or with ``--base`` the run's base model into OUT/sampled/base. Flags given on the command line
-win (--seed stays sample.py's own: 42). After a run: ``sample.py --run_dir OUT --base``, then
+--eval_num_images images each), its --reward, --eval_reward and reward paths, --device and --mixed_precision; it
+samples into OUT/sampled/final, or with ``--base`` the run's base model into OUT/sampled/base. Flags given on the
+command line win (--seed stays sample.py's own: 42). After a run: ``sample.py --run_dir OUT --base``, then
 ``sample.py --run_dir OUT --compare OUT/sampled/base``. (The flag is --run_dir, not --run: torchrun's own parser
 refuses --run, a prefix of its --run_path.)
 
@@ -19,8 +19,8 @@ Sampling is the deterministic Euler ODE of the family's stock pipeline (``FluxPi
 --num_inference_steps, --guidance_scale, --cfg_scale and --max_sequence_length take the family's pipeline defaults. Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
 ``SAMPLES/images/pPPPPPP-sKKK.png`` whatever the number of ranks or the batch size, so two models sampled with the
 same seed see the same noise: ``--compare BASE_SAMPLES`` then puts them side by side (``SAMPLES/compare.png``).
-``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores) and ``SAMPLES/summary.json`` the mean,
-std and 95% interval of each reward; with --compare, ``SAMPLES/compare.json`` holds each reward's paired difference
+``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores: --reward's ``total`` and components,
+then each --eval_reward reward and its checks) and ``SAMPLES/summary.json`` the mean, std and 95% interval of each; with --compare, ``SAMPLES/compare.json`` holds each reward's paired difference
 (this model - base, image by image) with its 95% interval.
 """
 from __future__ import annotations
@@ -43,7 +43,11 @@ def build_sample_parser() -> argparse.ArgumentParser:
     parser = build_parser((SampleOptions, RewardOptions), __doc__.split("\n\n")[0],
                           default_overrides={"reward": None},
                           help_overrides={"reward": "score every image with these weighted rewards (e.g. 'hpsv2:1.0'; "
-                                                    "default: no scoring; with --run_dir: the run's)"},
+                                                    "default: no scoring; with --run_dir: the run's)",
+                                          "eval_reward": "also score every image with these rewards, each on its "
+                                                         "own (not in --reward's total; e.g. 'toyworld_clean:1.0'): "
+                                                         "columns <name> and <name>_<check> in index.jsonl and "
+                                                         "summary.json (default: none; with --run_dir: the run's)"},
                           exclude=("nonfinite_reward",))
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__.split("\n\nSampling is")[0]
@@ -94,12 +98,15 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     from fastvideo.devices import ACCELERATOR_TYPES
     from fastvideo.memory import auto_decode_batch_size
     from fastvideo.record import image_name, save_png
-    from fastvideo.rewards import build_reward, check_reward_prompts
+    from fastvideo.rewards import build_reward, check_reward_paths, check_reward_prompts
     from fastvideo.seeding import NoiseSource
     from fastvideo.training import REWARD_PATH_FLAGS, compute_dtype
 
     dist = D.init_distributed(args.device)
     out = Path(args.output_dir)
+    paths = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
+    for spec in filter(None, (args.reward, args.eval_reward)):  # every reward's files, before anything loads
+        check_reward_paths(spec, **paths)
     if dist.is_main:
         if taken is not None:
             print(taken, flush=True)
@@ -113,16 +120,15 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     dataset = EmbeddingDataset(manifest).use(models.family_for(args), negative=args.cfg_scale > 1)
     dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
     n = min(args.max_prompts or len(dataset), len(dataset))
-    if args.reward:
-        check_reward_prompts(args.reward, dataset.prompts[:n], f"--prompts {args.prompts}")
+    for spec in filter(None, (args.reward, args.eval_reward)):
+        check_reward_prompts(spec, dataset.prompts[:n], f"--prompts {args.prompts}")
     if base is not None:
         evaluation.check_compare_prompts(base, dataset.prompts[:n], args.compare)
 
     # ---- 2. models: reward, transformer (+ LoRA), VAE ---------------------------------------------------------
     errors.inputs_checked()  # from here on an error is the run's (traceback), not a bad input's (one line)
-    reward_fn = (build_reward(args.reward, dist.device, batch_size=args.reward_batch_size,
-                              **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
-                 if args.reward else None)
+    reward_fn, eval_reward_fn = (build_reward(spec, dist.device, batch_size=args.reward_batch_size, **paths)
+                                 if spec else None for spec in (args.reward, args.eval_reward))
     amp_dtype = compute_dtype(args.mixed_precision, dist.device)
     model = load_model(args, dist.device, amp_dtype or torch.float32)
     family = models.family_for(args)
@@ -151,6 +157,8 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
                                        amp_dtype=amp_dtype)  # (b, 3, H, W)
         prompts = [dataset.prompts[i] for i in ids]
         scores = reward_fn(images, prompts) if reward_fn is not None else {}
+        if eval_reward_fn is not None:  # each extra reward and its checks, outside --reward's total
+            scores = {**scores, **evaluation.extra_scores(eval_reward_fn(images, prompts), scores)}
         for j, (p, k) in enumerate(zip(ids, idx)):
             save_png(images[j], out / "images" / image_name(p, k))
             rows.append({"prompt_id": p, "sample_index": k, "prompt": prompts[j], "seed": args.seed,

@@ -251,7 +251,13 @@ class PlanOptions:
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility, toyworld)")
+                                   "jpeg_incompressibility, toyworld, toyworld_clean)")
+    eval_reward: str | None = opt(None, "extra rewards the held-out evaluation (--eval_prompts) also scores, beside "
+                                        "--reward, to watch what the training reward does not see (e.g. "
+                                        "'toyworld_clean:1.0' under --reward toyworld): same syntax as --reward, "
+                                        "rewards --reward does not hold; each is logged on its own (weights do not "
+                                        "matter) as eval/<name> and eval/<name>_<check>. Evaluation only: no "
+                                        "training number, checkpoint or recording changes (default: none)")
     reward_batch_size: int = opt(0, "images per reward-model call (0 = all of a rank's images in one call); lower it "
                                     "when a large reward model (HPS ViT-H) runs out of memory (scores do not change)")
     hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
@@ -870,6 +876,12 @@ def validate_common(args: argparse.Namespace) -> None:
     _need(args.eval_every >= 0, f"--eval_every must be >= 0 (0 = first and last step only), got {args.eval_every}")
     _need(args.eval_max_prompts >= 0, f"--eval_max_prompts must be >= 0 (0 = all), got {args.eval_max_prompts}")
     _need(args.eval_num_images >= 1, f"--eval_num_images must be >= 1, got {args.eval_num_images}")
+    if args.eval_reward:
+        from fastvideo.rewards import parse_eval_reward_spec
+
+        parse_eval_reward_spec(args.eval_reward, args.reward)
+        _need(args.eval_prompts is not None, f"--eval_reward {args.eval_reward} scores the held-out evaluation: pass "
+                                             "--eval_prompts too, or drop --eval_reward")
     _need(0.0 < args.ema_decay < 1.0, f"--ema_decay must be in (0, 1), got {args.ema_decay}")
     _need(args.train_batch_size >= 1, f"--train_batch_size must be >= 1, got {args.train_batch_size}")
     _need(args.gradient_accumulation_steps >= 0,
@@ -1222,7 +1234,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     fix); returns the --compare folder (``evaluation.read_sample_dir``) or None."""
     from fastvideo import models, weights
     from fastvideo.evaluation import check_prompts_path, read_sample_dir
-    from fastvideo.rewards import parse_reward_spec
+    from fastvideo.rewards import parse_eval_reward_spec, parse_reward_spec
 
     _need(getattr(args, "run_dir", None) is not None or not getattr(args, "base", False),
           "--base samples a training run's base model: pass --run_dir OUT too (without --run_dir, leave out "
@@ -1261,6 +1273,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     family.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
     if args.reward:
         parse_reward_spec(args.reward)
+    parse_eval_reward_spec(args.eval_reward, args.reward)
     out = Path(args.output_dir)
     if (out / "index.jsonl").exists():
         raise ValueError(f"--output_dir {out} already holds a sampling (index.jsonl); choose a new --output_dir (or "

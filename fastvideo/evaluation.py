@@ -132,6 +132,25 @@ def eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
     return metrics
 
 
+def extra_scores(rewards: dict[str, torch.Tensor], taken: Any = ()) -> dict[str, torch.Tensor]:
+    """The entries of an --eval_reward RewardFn's result that are logged: each reward (``<name>``) and its checks
+    (``<name>_<key>``), without its weighted "total" (the extras are watched one by one, never summed). ValueError if
+    one would overwrite a name in ``taken`` (--reward's entries)."""
+    extra = {k: v for k, v in rewards.items() if k != "total"}
+    clash = sorted(set(extra) & set(taken))
+    if clash:
+        raise ValueError(f"--eval_reward's {clash} would overwrite --reward's entries of the same names; drop those "
+                         "rewards from --eval_reward")
+    return extra
+
+
+def extra_eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What a training run logs of its --eval_reward rewards (``reward_summary`` of ``extra_scores``): ``eval/<name>``
+    and ``eval/<name>_<key>`` means, e.g. ``eval/toyworld_clean``, ``eval/toyworld_clean_stray``. No reward name
+    starts with "reward" (tests/test_toyworld_clean.py), so these never meet ``eval_metrics``'s ``eval/reward_*``."""
+    return {f"eval/{name}": s["mean"] for name, s in summary.items() if name != "total"}
+
+
 # ------------------------------------------------------------------------------------------------ sample.py outputs
 def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int,
                decode_batch_size: int = 0, cfg_scale: float = 1.0) -> Any:

@@ -415,9 +415,10 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     """The plan of a trainer whose update runs ``micro_images`` images per forward/backward (+ a no-grad reference
     forward if ``reference``; ``snapshot``: the reference is a swapped-in fp32 copy of the trained weights; with
     ``old_policy`` a no-grad old-policy forward and its fp32 weights), whose rollout samples ``samples`` images per
-    rank, scored by --reward if ``scored``. --gradient_checkpointing and --decode_batch_size are planned as the run
-    resolves them on ``device_type``; ``compare_checkpointing`` also traces the training activations with the other
-    checkpointing choice (a "not used" line; the start-up gate skips it, a second each at FLUX.1-dev's widths).
+    rank, scored by --reward if ``scored`` (and by --eval_reward's models with --eval_prompts).
+    --gradient_checkpointing and --decode_batch_size are planned as the run resolves them on ``device_type``;
+    ``compare_checkpointing`` also traces the training activations with the other checkpointing choice (a "not used"
+    line; the start-up gate skips it, a second each at FLUX.1-dev's widths).
     With --cfg_scale > 1 every rollout forward runs 2x rows (prompt + negative), and the update's too when
     ``guided_update`` (GRPO replays the guided step; DPO's and NFT's losses are unguided)."""
     from fastvideo import lora, models
@@ -552,9 +553,12 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                                                                         geometry.latent_w, cdt, family=family,
                                                                         geometry=geometry),
                           phase="decode", note=f"{short}, no grad"))
-    from fastvideo.rewards import parse_reward_spec
+    from fastvideo.rewards import parse_eval_reward_spec, parse_reward_spec
 
-    for name, _ in parse_reward_spec(args.reward) if scored else []:
+    names = [name for name, _ in parse_reward_spec(args.reward)] if scored else []
+    if getattr(args, "eval_prompts", None) is not None:  # --eval_reward's models load with the evaluation
+        names += [name for name, _ in parse_eval_reward_spec(getattr(args, "eval_reward", None), args.reward)]
+    for name in names:
         params = REWARD_PARAMS.get(name, 0)
         if params:
             items.append(PlanItem(f"reward model {name} (fp32, frozen)", 4 * params, phase="persistent",

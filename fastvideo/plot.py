@@ -1,5 +1,6 @@
-"""Training curves (reward, eval reward, loss, clipfrac, KL, grad norm, ratio, lr) of one or several runs in one PNG,
-read from each trainer ``--output_dir``'s metrics.jsonl, so runs can be checked and compared at a glance.
+"""Training curves (reward, eval reward, loss, clipfrac, KL, grad norm, ratio, lr, and one panel per --eval_reward
+reward: ``eval/<name>``) of one or several runs in one PNG, read from each trainer ``--output_dir``'s metrics.jsonl, so
+runs can be checked and compared at a glance.
 
     python -m fastvideo.plot OUT [OUT2 ...] [--out FILE.png] [--names NAME ...]
 """
@@ -46,10 +47,19 @@ def series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
     return steps, values
 
 
+def panels(rows_by_run: Sequence[Sequence[dict]]) -> list[tuple[str, list[str]]]:
+    """(title, keys) of the ``PLOTTED`` panels that have data in at least one run, then one panel per --eval_reward
+    reward logged (``eval/<name>``, titled so; drawn as eval keys)."""
+    from fastvideo.rewards import REWARD_NAMES
+
+    shown = [(title, keys) for title, keys in PLOTTED if any(series(rows, k)[0] for rows in rows_by_run for k in keys)]
+    extra = [f"eval/{name}" for name in REWARD_NAMES]
+    return shown + [(key, [key]) for key in extra if any(series(rows, key)[0] for rows in rows_by_run)]
+
+
 def panels_for(rows_by_run: Sequence[Sequence[dict]]) -> list[str]:
-    """Titles of the ``PLOTTED`` panels that have data in at least one run."""
-    return [title for title, keys in PLOTTED
-            if any(series(rows, k)[0] for rows in rows_by_run for k in keys)]
+    """Titles of the panels (``panels``) that have data in at least one run."""
+    return [title for title, _ in panels(rows_by_run)]
 
 
 def available_panels(run_dirs: Sequence[str | Path]) -> list[str]:
@@ -70,7 +80,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, names: Sequence[s
         raise ValueError(f"{len(names)} names for {len(run_dirs)} runs: pass one name per run")
     rows_by_run = [read_rows(d) for d in run_dirs]
     names = list(names) if names is not None else run_names(run_dirs)
-    titles = panels_for(rows_by_run)
+    keys_of = dict(panels(rows_by_run))
+    titles = list(keys_of)
     if not titles:
         plotted = sorted({k for _, keys in PLOTTED for k in keys})
         raise ValueError(f"no run in {[str(d) for d in run_dirs]} has any of the plotted metrics {plotted}")
@@ -83,7 +94,6 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, names: Sequence[s
     nrows = math.ceil(len(titles) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.5 * nrows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    keys_of = dict(PLOTTED)
     for ax, title in zip(axes.flat, titles):
         for i, (rows, name) in enumerate(zip(rows_by_run, names)):
             color = colors[i % len(colors)]
@@ -91,7 +101,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, names: Sequence[s
                 steps, values = series(rows, key)
                 if not steps:
                     continue
-                if key in EVAL_KEYS:
+                if key in EVAL_KEYS or key.startswith("eval/"):  # eval/<name>: an --eval_reward reward
                     ax.plot(steps, values, "--o", color=color, markersize=4, label=f"{name} eval")
                 else:
                     ax.plot(steps, values, "-", color=color, label=name)

@@ -6,9 +6,9 @@ A trainer's ``OUT/config.json`` holds every flag it ran with (``config.save_conf
 the export, the image size, the sampler (``--sampling_steps`` -> ``--num_inference_steps``, ``--shift``,
 ``--guidance_scale``, ``--noise_device``), the text length and embedding dtype of the run's training embeddings, the
 held-out prompts of the run's evaluation (``--eval_prompts``, ``--eval_max_prompts``, ``--eval_num_images``), the
-reward with its path flags, ``--device`` and ``--mixed_precision``. A flag given on the command line (or in a
-``--config`` file) always wins over the run's value. Paths in config.json are as the trainer was given them: run
-from the folder the run was started in, or override them.
+reward and ``--eval_reward`` with their path flags, ``--device`` and ``--mixed_precision``. A flag given on the command
+line (or in a ``--config`` file) always wins over the run's value. Paths in config.json are as the trainer was given
+them: run from the folder the run was started in, or override them.
 """
 from __future__ import annotations
 
@@ -150,7 +150,8 @@ def apply_to_sample(args: argparse.Namespace, explicit: set[str]) -> str:
         values.update(prompts=run.get("eval_prompts"), max_prompts=run.get("eval_max_prompts", 0),
                       num_images_per_prompt=run.get("eval_num_images", 1))
     reward = run_reward(run)
-    values.update(reward=reward, **{k: run.get(k) for k in REWARD_PATH_FLAGS if k in run.config})
+    values.update(reward=reward, eval_reward=run.get("eval_reward"),
+                  **{k: run.get(k) for k in REWARD_PATH_FLAGS if k in run.config})
     values["output_dir"] = str(run.path / "sampled" / ("base" if args.base else "final"))
     _take(args, explicit, values)
 
@@ -172,7 +173,8 @@ def apply_to_sample(args: argparse.Namespace, explicit: set[str]) -> str:
         f"{args.num_images_per_prompt} image{'s' * (args.num_images_per_prompt != 1)} each"
     line = (f"--run_dir {run.path}: {kind} (base {args.pretrained_model_name_or_path}), {args.h}x{args.w}, "
             f"{args.num_inference_steps} steps, {_shift(args.shift)}, guidance {args.guidance_scale:g}, prompts "
-            f"{args.prompts} ({count}), reward {args.reward or 'none'}, device {args.device or 'auto'}")
+            f"{args.prompts} ({count}), reward {args.reward or 'none'}"
+            + (f", eval reward {args.eval_reward}" if args.eval_reward else "") + f", device {args.device or 'auto'}")
     overrides = sorted(explicit & (set(values) - {"output_dir"}))
     if overrides:
         line += "; given here: " + ", ".join(f"--{k}" for k in overrides)

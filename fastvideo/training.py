@@ -563,6 +563,7 @@ class Run:
     amp_dtype: torch.dtype | None
     state: dict[str, Any] = field(default_factory=dict)
     reward_fn: Callable | None = None
+    eval_reward_fn: Callable | None = None  # RewardFn of --eval_reward (held-out evaluation only), or None
     policy: Policy | None = None
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: Any = None
@@ -613,6 +614,11 @@ class Run:
             raise ValueError(text_length_refusal(dataset.max_sequence_length, sp))
         if args.eval_prompts is not None:
             from fastvideo.evaluation import prompt_manifest
+            from fastvideo.rewards import check_reward_paths
+
+            eval_reward = getattr(args, "eval_reward", None)
+            if eval_reward:  # its files, before the evaluation prompts are encoded
+                check_reward_paths(eval_reward, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
 
             # a prompt file is encoded once, with the training data's length and dtype; a manifest is used as it is
             manifest = prompt_manifest(args.eval_prompts, args.pretrained_model_name_or_path,
@@ -622,7 +628,8 @@ class Run:
                                        negative_prompt=dataset.negative_prompt if guided else None)
             self.eval_dataset = EmbeddingDataset(manifest).use(family, negative=guided)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
-            check_reward_prompts(args.reward, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
+            for spec in filter(None, (args.reward, eval_reward)):
+                check_reward_prompts(spec, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
                 raise ValueError(f"--eval_prompts has {self.eval_dataset.max_sequence_length} text tokens but "
                                  f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
@@ -648,7 +655,8 @@ class Run:
     def load_models(self, *, reward: bool, need_reference: bool, ref_snapshot: bool = False,
                     old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
-        paths first; also loaded without ``reward`` when --eval_prompts is set), policy (+ reference, EMA),
+        paths first; also loaded without ``reward`` when --eval_prompts is set; with --eval_prompts also the
+        --eval_reward rewards), policy (+ reference, EMA),
         optimizer, LR schedule (``optimizer_steps`` long) and VAE (in the compute dtype: bf16 on a GPU/NPU)."""
         from fastvideo.config import save_config
         from fastvideo.logging import current_memory_gb
@@ -659,9 +667,12 @@ class Run:
         if self.dist.is_main:
             save_config(self.config, self.out / "config.json")
         self.memory_baseline = current_memory_gb(self.device, import_model_libraries=True)
+        paths = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
         if reward or self.eval_dataset is not None:
-            self.reward_fn = build_reward(args.reward, self.device, batch_size=args.reward_batch_size,
-                                          **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
+            self.reward_fn = build_reward(args.reward, self.device, batch_size=args.reward_batch_size, **paths)
+        if self.eval_dataset is not None and getattr(args, "eval_reward", None):  # built once, beside --reward's
+            self.eval_reward_fn = build_reward(args.eval_reward, self.device, batch_size=args.reward_batch_size,
+                                               **paths)
         self.policy = build_policy(args, self.device, need_reference=need_reference, ref_snapshot=ref_snapshot,
                                    old_policy=old_policy)
         self.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, self.policy.is_lora) == "backward"
@@ -713,7 +724,8 @@ class Run:
         """Sample the first --eval_max_prompts prompts of --eval_prompts --eval_num_images times each with the current
         weights (``evaluation.ode_images``: Euler ODE, the run's steps/shift/guidance, initial noise keyed by (seed,
         "eval", prompt id, image index): the same at every evaluation), score them with --reward and return
-        ``evaluation.eval_metrics`` (``eval/reward_mean``, its std and 95% interval, ``eval/reward_<component>``) and
+        ``evaluation.eval_metrics`` (``eval/reward_mean``, its std and 95% interval, ``eval/reward_<component>``), with
+        --eval_reward its rewards' ``evaluation.extra_eval_metrics`` (``eval/<name>``, ``eval/<name>_<key>``), and
         ``time_eval`` (seconds); rank 0 saves OUT/samples/eval-step-N.png (up to 16 images: the first of each rank's
         slice) and mirrors it to TensorBoard / W&B. Images are split over ranks (padded to equal counts: FSDP needs the
         same forwards on every rank). A collective; draws no global randomness."""
@@ -732,10 +744,15 @@ class Run:
             images = evaluation.ode_images(self.policy.model, self.vae, ds, prompt_ids, sample_indices,
                                            rollout_config(args), noise, self.geometry, device=self.device,
                                            amp_dtype=self.amp_dtype)
-        rewards, _ = self.score(images, [ds.prompts[i] for i in prompt_ids])  # gathered: entries >= total are padding
+        prompts = [ds.prompts[i] for i in prompt_ids]
+        rewards, _ = self.score(images, prompts)  # gathered: entries >= total are padding
         all_ids = torch.arange(total) // args.eval_num_images  # the global order of evaluation.image_items
         summary = evaluation.reward_summary({k: v[:total] for k, v in rewards.items()}, all_ids)
         metrics = evaluation.eval_metrics(summary)
+        if self.eval_reward_fn is not None:  # --eval_reward: eval/<name>, eval/<name>_<key>, beside eval/reward_*
+            extra, _ = self.score(images, prompts, self.eval_reward_fn)
+            extra = evaluation.extra_scores({k: v[:total] for k, v in extra.items()}, rewards)
+            metrics.update(evaluation.extra_eval_metrics(evaluation.reward_summary(extra, all_ids)))
         shown = D.gather_samples(images[:min(real, -(-16 // dist.dp_size))].cpu())  # (<= 16 + dp, 3, H, W)
         if dist.is_main:
             grid = save_image_grid(shown[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
@@ -758,9 +775,11 @@ class Run:
                                       {k: self.local(v) for k, v in rewards.items()}, log_probs)
         return rewards, seconds
 
-    def score(self, images: torch.Tensor, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
-        """Reward this rank's images in one batched call, all-gathered over ranks: ``name -> (P*G,)`` CPU float32 in
-        global sample order (every component and "total"; a prompt group may span ranks), and the seconds spent.
+    def score(self, images: torch.Tensor, prompts: list[str], reward_fn: Callable | None = None
+              ) -> tuple[dict[str, torch.Tensor], float]:
+        """Reward this rank's images in one batched call of ``reward_fn`` (default: --reward's), all-gathered over
+        ranks: ``name -> (P*G,)`` CPU float32 in global sample order (every component and "total"; a prompt group may
+        span ranks), and the seconds spent.
         Under --sp_size the ranks of a sequence-parallel group hold the same images: each scores its consecutive share,
         so every image is scored once and the gather is in sample order."""
         mine = len(prompts)
@@ -770,7 +789,7 @@ class Run:
             scored = share if mine else torch.zeros(1, dtype=torch.long)  # an empty share scores one, sends none
             images, prompts = images[scored.to(images.device)], [prompts[i] for i in scored.tolist()]
         t0 = time.perf_counter()
-        rewards = self.reward_fn(images, prompts)
+        rewards = (reward_fn or self.reward_fn)(images, prompts)
         seconds = time.perf_counter() - t0
         stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)[:mine]  # (b, components + total)
         prompts = prompts[:mine]

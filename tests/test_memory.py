@@ -322,6 +322,10 @@ def test_plan_arithmetic_for_flux_dev(tmp_path):
     _, single = plan(1, "--num_generations", "2", "--gradient_accumulation_steps", "1")
     assert single.device_peak > 16 * n / GiB  # unsharded fp32 params + grads + Adam: cannot fit one GPU
     assert any("world size 1" in w for w in single.warnings)
+    # --eval_reward's models load with the evaluation: planned with --eval_prompts
+    evaluated, _ = plan(8, "--eval_prompts", "heldout.txt", "--eval_reward", "pickscore")
+    assert evaluated["reward model pickscore (fp32, frozen)"] == pytest.approx(4 * 986_109_440 / GiB)
+    assert "reward model pickscore (fp32, frozen)" not in items
 
 
 def test_nft_plan_holds_the_old_policy_and_its_buffers(tiny_flux_dir):

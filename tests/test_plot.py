@@ -70,6 +70,16 @@ def test_cli_one_run_default_output_and_legacy_eval_key(tmp_path, capsys):
     assert out == tmp_path / "sub" / "curves.png" and out.is_file()
 
 
+def test_eval_reward_panels(tmp_path):
+    """Each --eval_reward reward logged (eval/<name>) gets a panel of its own after the fixed ones; its checks
+    (eval/<name>_<key>) and unknown eval/ keys do not."""
+    rows = grpo_rows() + [{"step": s, "eval/toyworld_clean": 0.9 - 0.01 * s, "eval/toyworld_clean_stray": 0.8,
+                           "eval/whatever": 1.0} for s in (0, 5, 10)]
+    run = write_run(tmp_path / "r", rows)
+    assert available_panels([run]) == [title for title, _ in PLOTTED] + ["eval/toyworld_clean"]
+    check_png(plot_runs([run], tmp_path / "p.png"))
+
+
 def test_torn_last_line_is_skipped(tmp_path):
     run = write_run(tmp_path / "torn", dpo_rows(), tail='{"step": 11, "loss": 0.6')
     assert [r["step"] for r in read_rows(run)] == list(range(1, 11))

@@ -44,11 +44,12 @@ def heldout(tmp_path_factory) -> Path:
 def runs(tiny_flux_dir, tiny_data, heldout, tmp_path_factory) -> dict[str, Path]:
     """Two finished runs, trained side by side: "full", a full fine-tune whose --eval_prompts is a prompt file
     (sample.py encodes it with the run's text length), and "lora", a LoRA run whose --eval_prompts is a manifest,
-    evaluated on its first 2 prompts, 2 images each."""
+    evaluated on its first 2 prompts, 2 images each, and also with --eval_reward toyworld_clean."""
     root = tmp_path_factory.mktemp("runs")
     jobs = {"full": _train(tiny_flux_dir, tiny_data, root / "full", "--eval_prompts", str(heldout)),
             "lora": _train(tiny_flux_dir, tiny_data, root / "lora", "--lora_rank", "4", "--eval_prompts",
-                           str(tiny_data), "--eval_max_prompts", "2", "--eval_num_images", "2")}
+                           str(tiny_data), "--eval_max_prompts", "2", "--eval_num_images", "2", "--eval_reward",
+                           "toyworld_clean:1.0")}
     for name, proc in jobs.items():
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{name} run failed:\n{output[-4000:]}"
@@ -122,12 +123,40 @@ def test_run_lora_equals_the_explicit_flags_and_given_flags_win(lora_run, tiny_f
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("--run_dir"))
     assert line.startswith(f"--run_dir {lora_run}: LoRA {lora_run / 'final'}") and "32x32" in line, line
     assert "(first 2, 2 images each)" in line and line.endswith(f"given here: --h, --w -> {via_run}"), line
+    assert "reward jpeg_compressibility:1.0, eval reward toyworld_clean:1.0, device" in line, line
     explicit = tmp_path / "explicit"
     sample.main(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--lora_path", str(lora_run / "final"),
                  "--prompts", str(tiny_data), "--max_prompts", "2", "--num_images_per_prompt", "2", "--h", "32", "--w",
                  "32", "--num_inference_steps", "3", "--shift", "2", "--guidance_scale", "2.5", "--seed", "7",
-                 "--device", "cpu", "--reward", "jpeg_compressibility:1.0", "--output_dir", str(explicit)])
+                 "--device", "cpu", "--reward", "jpeg_compressibility:1.0", "--eval_reward", "toyworld_clean:1.0",
+                 "--output_dir", str(explicit)])
     _assert_same_images(via_run, explicit, 4)
+    # --eval_reward: its reward and checks are columns of their own, outside --reward's total, and summarised
+    clean = ["toyworld_clean", "toyworld_clean_background", "toyworld_clean_stray", "toyworld_clean_purity"]
+    for row in _rows(explicit):
+        assert list(row)[5:] == ["total", "jpeg_compressibility", *clean], list(row)
+        assert row["total"] == row["jpeg_compressibility"] and all(0.0 <= row[k] <= 1.0 for k in clean), row
+    summary = json.loads((explicit / "summary.json").read_text())["rewards"]
+    assert list(summary) == ["total", "jpeg_compressibility", *clean]
+    assert "toyworld_clean" in capsys.readouterr().out  # the printed summary
+
+
+def test_eval_reward_is_logged_beside_the_training_reward(lora_run):
+    """The LoRA run's --eval_reward toyworld_clean: eval/toyworld_clean and eval/toyworld_clean_<check> in [0, 1] at
+    every evaluation (step 0 and the last), beside the unchanged eval/reward_* keys; plots get a panel for it."""
+    from fastvideo.logging import read_metrics
+    from fastvideo.plot import available_panels
+
+    evals = [r for r in read_metrics(lora_run / "metrics.jsonl") if "eval/reward_mean" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    clean = {f"eval/toyworld_clean{s}" for s in ("", "_background", "_stray", "_purity")}
+    for row in evals:
+        assert clean <= set(row) and all(0.0 <= row[k] <= 1.0 for k in clean), row
+        assert {k for k in row if k.startswith("eval/reward")} == {
+            "eval/reward_mean", "eval/reward_std", "eval/reward_ci95_low", "eval/reward_ci95_high",
+            "eval/reward_jpeg_compressibility"}
+    assert json.loads((lora_run / "config.json").read_text())["eval_reward"] == "toyworld_clean:1.0"
+    assert available_panels([lora_run])[-1] == "eval/toyworld_clean"
 
 
 def test_base_equals_the_base_model_and_compares_with_the_run(full_sampled, full_run, tiny_flux_dir, heldout,
@@ -203,6 +232,10 @@ def test_bad_inputs_fail_before_anything_loads(full_run, heldout, tmp_path):
         (["--base", "--pretrained_model_name_or_path", "x", "--prompts", "y"], ValueError, "pass --run_dir OUT too"),
         (["--run_dir", str(full_run), "--num_inference_steps", "0", "--output_dir", str(tmp_path / "o")], ValueError,
          "--num_inference_steps must be >= 1"),
+        (["--run_dir", str(full_run), "--eval_reward", "clean", "--output_dir", str(tmp_path / "o")], ValueError,
+         "--eval_reward: unknown reward 'clean'.*valid names: .*toyworld_clean"),
+        (["--run_dir", str(full_run), "--eval_reward", "jpeg_compressibility", "--output_dir", str(tmp_path / "o")],
+         ValueError, "scored by --reward 'jpeg_compressibility:1.0' already.*drop it from --eval_reward"),
     ]
     for flags, error, message in cases:
         with pytest.raises(error, match=message):

@@ -17,6 +17,9 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
   jpeg_incompressibility  (no weights) +size_kB/500
   toyworld                (no weights) toy-world prompt following by pixel analysis: score = mean of colour, shape,
                           count and position checks; also logs toyworld_strict/_color/_shape/_count/_position
+  toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
+                          score = mean of background fidelity, stray pixels and colour purity; also logs
+                          toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "jpeg_compressibility": ("fastvideo.rewards.jpeg", "build_compressibility"),
     "jpeg_incompressibility": ("fastvideo.rewards.jpeg", "build_incompressibility"),
     "toyworld": ("fastvideo.rewards.toyworld", "build"),
+    "toyworld_clean": ("fastvideo.rewards.toyworld", "build_clean"),
 }
 REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -99,6 +103,38 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once")
         parsed.append((name, weight))
     return parsed
+
+
+def parse_eval_reward_spec(spec: str | None, reward: str | None) -> list[tuple[str, float]]:
+    """The extra rewards of ``--eval_reward`` (``parse_reward_spec``'s syntax; [] when unset or empty), which the
+    held-out evaluation logs beside --reward's as ``eval/<name>`` and ``eval/<name>_<key>`` (``sample.py``: columns
+    ``<name>``, ``<name>_<key>``). ValueError naming --eval_reward for a bad spec or a reward that ``reward`` (the
+    --reward spec, None for none) scores already: its values are logged as ``eval/reward_<name>`` then."""
+    if spec is None or not spec.strip():
+        return []
+    try:
+        parsed = parse_reward_spec(spec)
+    except ValueError as err:
+        raise ValueError(f"--eval_reward: {err}") from None
+    both = [name for name, _ in parsed if reward and name in dict(parse_reward_spec(reward))]
+    if both:
+        raise ValueError(f"--eval_reward {spec!r}: {', '.join(map(repr, both))} {'is' if len(both) == 1 else 'are'} "
+                         f"scored by --reward {reward!r} already (logged as eval/reward_{both[0]}); drop it from "
+                         "--eval_reward, which takes extra rewards only")
+    return parsed
+
+
+def check_reward_paths(spec: str, **paths: str | None) -> None:
+    """FileNotFoundError naming the flag (keyword names = the flags, as ``build_reward`` takes them) of a path that a
+    reward of ``spec`` requires and that is missing; loads nothing."""
+    from ._common import looks_like_path, require_path
+
+    for name, _ in parse_reward_spec(spec):
+        for key, kind, what in _REQUIRED_PATHS.get(name, ()):
+            require_path(paths.get(key), f"--{key}", name, what, kind=kind)
+        arch = _ARCH_FLAGS.get(name)
+        if arch and paths.get(arch) and looks_like_path(str(paths[arch])):
+            require_path(paths[arch], f"--{arch}", name, "an open_clip model-config JSON")
 
 
 def check_reward_prompts(spec: str, prompts: Sequence[str], source: str) -> None:
@@ -194,8 +230,6 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
 
     Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON).
     """
-    from ._common import looks_like_path, require_path
-
     components = parse_reward_spec(spec)
     if batch_size < 0:
         raise ValueError(f"--reward_batch_size must be >= 0 (0 = the whole batch in one call), got {batch_size}")
@@ -205,12 +239,7 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  clip_checkpoint=clip_checkpoint, clip_model=clip_model,
                  aesthetic_checkpoint=aesthetic_checkpoint, aesthetic_clip_checkpoint=aesthetic_clip_checkpoint,
                  aesthetic_clip_model=aesthetic_clip_model)
-    for name, _ in components:  # fail fast, before loading anything heavy
-        for key, kind, what in _REQUIRED_PATHS.get(name, ()):
-            require_path(paths[key], f"--{key}", name, what, kind=kind)
-        arch = _ARCH_FLAGS.get(name)
-        if arch and paths[arch] and looks_like_path(str(paths[arch])):
-            require_path(paths[arch], f"--{arch}", name, "an open_clip model-config JSON")
+    check_reward_paths(spec, **paths)  # fail fast, before loading anything heavy
     built: list[tuple[str, float, Scorer]] = []
     for name, weight in components:
         module_name, factory = _REGISTRY[name]
@@ -218,4 +247,5 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
     return RewardFn(built, device, batch_size)
 
 
-__all__ = ["REWARD_NAMES", "RewardFn", "Scorer", "build_reward", "parse_reward_spec"]
+__all__ = ["REWARD_NAMES", "RewardFn", "Scorer", "build_reward", "check_reward_paths", "parse_eval_reward_spec",
+           "parse_reward_spec"]

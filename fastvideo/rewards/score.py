@@ -112,7 +112,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from fastvideo.training import REWARD_PATH_FLAGS
 
     parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
-                          exclude=("nonfinite_reward",))  # a trainer's policy; this tool reports what it scores
+                          exclude=("nonfinite_reward", "eval_reward"))  # a trainer's policy / evaluation; this tool
+    # scores with --reward only
     parser.prog = "python -m fastvideo.rewards.score"
     parser.add_argument("--run_dir", default=None,
                         help="a training run's --output_dir: take its --reward, reward path flags and --device (flags "

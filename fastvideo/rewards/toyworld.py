@@ -4,6 +4,11 @@ a toy-world prompt asks for, checked by pixel analysis (``fastvideo.toyworld.ver
 The scorer returns a dict of (B,) float32 CPU tensors: ``"score"`` (the mean of the four checks, the training signal)
 plus ``"strict"`` (1 only when every check passes, GenEval's per-prompt accuracy) and ``"color"``, ``"shape"``,
 ``"count"``, ``"position"``; RewardFn logs the extras as ``toyworld_<key>``. Images with non-finite pixels score NaN.
+
+``toyworld_clean`` (``fastvideo.toyworld.clean``) scores what ``toyworld`` does not see, whatever the prompt: how
+clean the image is (plain background, no stray specks, pure object colours with hard edges). It returns ``"score"``
+(the mean of the three) plus ``"background"``, ``"stray"``, ``"purity"``, logged as ``toyworld_clean_<key>``; meant
+for ``--eval_reward``, to watch a run that trains on ``toyworld`` for reward hacking.
 """
 from __future__ import annotations
 
@@ -27,6 +32,16 @@ class ToyWorldScorer:
         return {key: torch.from_numpy(value).float() for key, value in scores.items()}
 
 
+class CleanScorer:
+    """``(images (B,3,H,W) in [0,1], prompts (unused)) -> {key: (B,) float32}`` for ``clean.CLEAN_KEYS``."""
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        from fastvideo.toyworld.clean import clean_batch
+
+        return {key: torch.from_numpy(value).float() for key, value in clean_batch(images).items()}
+
+
 def check_prompts(prompts: Sequence[str]) -> None:
     """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers."""
     from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
@@ -47,3 +62,9 @@ def build(device: torch.device, **_: object) -> ToyWorldScorer:
     """Registry factory for ``toyworld`` (CPU pixel analysis whatever ``device`` is; batches of 64 at 64 px take
     tens of milliseconds)."""
     return ToyWorldScorer()
+
+
+def build_clean(device: torch.device, **_: object) -> CleanScorer:
+    """Registry factory for ``toyworld_clean`` (CPU pixel analysis whatever ``device`` is; a batch of 64 at 64 px takes
+    tens of milliseconds)."""
+    return CleanScorer()
