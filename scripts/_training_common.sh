@@ -27,7 +27,7 @@ demo_data() {
 }
 
 # The toy-world default (no MODEL_PATH): the pretrained toy FLUX (from the shipped weights; TOY_PRETRAIN=1 trains it
-# from scratch, ~10 min), its train / held-out prompt files and their embeddings, each built in DATA_DIR if absent.
+# from scratch, ~20 min), its train / held-out prompt files and their embeddings, each built in DATA_DIR if absent.
 # Sets MODEL, DATA_JSON (train prompts), EVAL_JSON (held-out prompts), NPROC_PER_NODE and TOY_ARGS (the flags every
 # toy-world demo shares: scripts/demos/toyworld.yaml, the model and the train / held-out prompts).
 toy_data() {

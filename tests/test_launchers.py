@@ -422,4 +422,4 @@ def test_demo_configs_validate(trainer, files, data, toy_world, tiny_flux_dir, t
     configs = [token for name in files for token in ("--config", str(REPO / "scripts" / "demos" / name))]
     args = parse([*configs, *paths, "--output_dir", str(tmp_path / "out"), "--resume_from", "latest"])
     counts = validate(args, 1)
-    assert counts["world_size"] == 1 and args.device == "cpu" and args.h == 64
+    assert counts["world_size"] == 1 and args.device == "cpu" and args.h == (32 if data == "toy" else 64)

@@ -16,10 +16,11 @@ from fastvideo.models import flux
 from fastvideo.toyworld import scenes
 from fastvideo.toyworld.scenes import write_prompt_files
 from fastvideo.toyworld.pretrain import (EVAL_FILE, INFO_FILE, SHIPPED, PretrainConfig, build_from_shipped,
-                                         cpu_fingerprint, evaluate, pretrain)
+                                         cpu_fingerprint, evaluate, pretrain, weights_digest)
 
 SMALL = PretrainConfig(num_scenes=64, vae_steps=3, vae_batch=8, steps=3, batch=8, warmup=1, eval_prompts=4,
-                       sample_steps=2, heads=2, head_dim=8, double_layers=1, single_layers=1)
+                       sample_steps=2, heads=2, head_dim=8, double_layers=1, single_layers=1, layout="tidy",
+                       cond_dropout=0.5)
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -30,9 +31,12 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 # slow for the default suite's time: the shipped toy model loads in FluxPipeline in the default suite (the toy_world
 # fixture's users, e.g. test_train_toyworld.py)
 @pytest.mark.slow
-def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path):
+def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path, monkeypatch):
     from diffusers import FluxPipeline
 
+    from fastvideo.toyworld import pretrain as pretrain_module
+
+    monkeypatch.setattr(pretrain_module, "PREFIX_STEPS", 2)
     a = pretrain(tmp_path / "a", SMALL, log=None)
     b = pretrain(tmp_path / "b", SMALL, log=None)
     wa, wb = _weights(a), _weights(b)
@@ -41,6 +45,12 @@ def test_pretrain_is_deterministic_and_loads_in_fluxpipeline(tmp_path):
     info = json.loads((a / INFO_FILE).read_text())
     assert info["config"]["steps"] == 3 and info["recommended"]["max_sequence_length"] == SMALL.text_len
     assert info["cpu"] == cpu_fingerprint() and " / " in info["cpu"]  # what the bit-for-bit variant is keyed on
+    # the digests a stopped run re-makes: the whole VAE and the transformer EMA after PREFIX_STEPS (2 here) steps
+    digests, vae = pretrain_module.pretrain_prefix(SMALL)
+    assert digests == info["digests"] and set(digests) == {"vae", "transformer_prefix"}
+    assert digests["vae"] == pretrain_module.weights_digest(flux.load_vae(a))
+    cfg_free = pretrain(tmp_path / "d", PretrainConfig(**{**SMALL.__dict__, "cond_dropout": 0.0}), log=None)
+    assert not torch.equal(_weights(cfg_free)["transformer/proj_out.weight"], wa["transformer/proj_out.weight"])
     other = pretrain(tmp_path / "c", PretrainConfig(**{**SMALL.__dict__, "seed": 1}), log=None)
     assert not torch.equal(_weights(other)["transformer/proj_out.weight"], wa["transformer/proj_out.weight"])
 
@@ -55,13 +65,20 @@ def test_pretrain_config_is_checked():
         PretrainConfig(size=60)
     with pytest.raises(ValueError, match="steps must be >= 1|batch must be >= 1"):
         PretrainConfig(batch=0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        PretrainConfig(layout="neat")
+    with pytest.raises(ValueError, match=r"cond_dropout must be in \[0, 1\)"):
+        PretrainConfig(cond_dropout=1.0)
 
 
 # slow for the default suite's time: the toy world's reward and model run in the default suite in
 # test_train_toyworld.py
 @pytest.mark.slow
-def test_shipped_model_follows_prompts_partially(tmp_path):
-    """Seeded: 128 train and 128 held-out prompts, ODE samples at the recommended settings, scored by the verifier."""
+def test_shipped_model_follows_training_prompts_not_heldout_pairs(tmp_path):
+    """Seeded: 128 train and 128 held-out prompts, ODE samples at the recommended settings (32 px, 8 Euler steps, no
+    CFG), scored by the verifier. Training prompts: mostly right (eval.json, 256 prompts: score 0.824, strict 0.453);
+    held-out prompts: colour, count and position above chance, shape at chance (it never saw a yellow triangle, a blue
+    circle or a green square and does not compose them: eval.json shape 0.201, strict 0.031)."""
     folder = build_from_shipped(tmp_path / "toy")
     shipped_eval = json.loads((SHIPPED / EVAL_FILE).read_text())
     info = json.loads((folder / INFO_FILE).read_text())
@@ -72,15 +89,14 @@ def test_shipped_model_follows_prompts_partially(tmp_path):
     geometry = flux.latent_geometry(vae, cfg.size, cfg.size)
     with torch.no_grad():
         result = evaluate(transformer, vae, encoders, cfg, geometry, num_prompts=128)
-    for split in ("train", "heldout"):
-        r = result[split]
-        # chance (a valid scene of another prompt, docs/toy-world.md): score 0.25 / 0.28, colour 0.50,
-        # shape 0.21 / 0.27, count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
-        assert 0.38 < r["score"] < 0.7, (split, r)
-        assert r["color"] > 0.75 and r["count"] > 0.3 and r["position"] > 0.18, (split, r)
-        assert r["strict"] < 0.2, (split, r)
-    assert result["train"]["shape"] > 0.3, result  # learnt for seen colour-shape pairs (not for held-out ones)
-    assert result["train"]["score"] >= result["heldout"]["score"] - 0.05
+    # chance (a valid scene of another prompt, docs/toy-world.md): score 0.25 / 0.28, colour 0.50,
+    # shape 0.21 / 0.27, count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
+    train, heldout = result["train"], result["heldout"]
+    assert train["score"] > 0.7 and train["strict"] >= 0.3, train
+    assert train["color"] > 0.95 and train["shape"] > 0.7 and train["count"] > 0.7 and train["position"] > 0.45, train
+    assert 0.38 < heldout["score"] < 0.6 and heldout["strict"] < 0.15, heldout
+    assert heldout["color"] > 0.8 and heldout["count"] > 0.28 and heldout["position"] > 0.2, heldout
+    assert heldout["shape"] < 0.35, heldout  # the unseen colour-shape pairs are not composed
     # the shipped eval.json (256 prompts per split) agrees with this 128-prompt evaluation
     for split in ("train", "heldout"):
         assert abs(shipped_eval[split]["score"] - result[split]["score"]) < 0.05
@@ -109,44 +125,49 @@ SHIPPED_INFO = json.loads((SHIPPED / INFO_FILE).read_text())
 SAME_CPU = SHIPPED_INFO.get("cpu") == cpu_fingerprint()
 
 
+PREFIX_SCRIPT = """
+import json, sys
+from fastvideo.toyworld.pretrain import PretrainConfig, pretrain_prefix
+cfg = PretrainConfig(**json.loads(sys.argv[1]))
+digests, vae = pretrain_prefix(cfg)
+vae.save_pretrained(sys.argv[2], safe_serialization=True)
+print(json.dumps(digests))
+"""
+
+
 @pytest.fixture(scope="module")
-def repretrained(tmp_path_factory):
-    """``python -m fastvideo.toyworld pretrain`` with the default config and the shipped weights' thread count (~10
-    minutes, once for the tests below)."""
-    out = tmp_path_factory.mktemp("repretrain") / "toy"
+def prefix(tmp_path_factory):
+    """(digests, VAE folder) of ``pretrain_prefix`` with the shipped config at the shipped weights' thread count: the
+    whole VAE phase and the transformer's first ``PREFIX_STEPS`` steps (minutes instead of the whole run)."""
+    out = tmp_path_factory.mktemp("prefix") / "vae"
     env = {**os.environ, "OMP_NUM_THREADS": str(SHIPPED_INFO["threads"])}
-    subprocess.run([sys.executable, "-m", "fastvideo.toyworld", "pretrain", "--out", str(out)],
-                   cwd=REPO, env=env, check=True, capture_output=True, timeout=3600)
-    return out
+    proc = subprocess.run([sys.executable, "-c", PREFIX_SCRIPT, json.dumps(SHIPPED_INFO["config"]), str(out)],
+                          cwd=REPO, env=env, check=True, capture_output=True, text=True, timeout=3600)
+    return json.loads(proc.stdout.strip().splitlines()[-1]), out
 
 
-# slow (~10 min): the shipped weights themselves are what the default suite's toy_world fixture loads
+# slow (minutes): the shipped weights themselves are what the default suite's toy_world fixture loads
 @pytest.mark.slow
 @pytest.mark.skipif(not SAME_CPU, reason="bit-for-bit needs the CPU the shipped weights were made on (toyworld.json "
                                          f"'cpu': {SHIPPED_INFO.get('cpu')}, here: {cpu_fingerprint()}); the "
                                          "cross-CPU variant below runs instead")
-def test_pretrain_reproduces_the_shipped_weights(repretrained):
-    """On the CPU that made them, the default config with their thread count gives the shipped weights bit for bit."""
-    made, shipped = _weights(repretrained), _weights(SHIPPED)
-    assert made.keys() == shipped.keys()
-    differ = [k for k in made if not torch.equal(made[k], shipped[k])]
-    assert not differ, f"{len(differ)} tensors differ from the shipped weights, e.g. {differ[:3]}"
+def test_pretrain_reproduces_the_shipped_weights(prefix):
+    """On the CPU that made them, the shipped config with their thread count re-makes the recorded digests bit for
+    bit: the shipped VAE itself and the transformer's EMA after PREFIX_STEPS steps (the whole run records it)."""
+    digests, _ = prefix
+    assert digests == SHIPPED_INFO["digests"]
+    assert digests["vae"] == weights_digest(flux.load_vae(SHIPPED))
 
 
-# slow (~10 min, the pretraining shared with the test above)
+# slow (minutes, the run shared with the test above)
 @pytest.mark.slow
-def test_pretrain_on_this_cpu_gives_the_shipped_model(repretrained):
-    """On any CPU, pretraining gives the shipped model up to the float32 summation order of its kernels: every tensor
-    within 3% (relative norm) of the shipped one, and the same evaluation within 0.01. Measured on an AMD EPYC
-    (AVX512) against weights made on another CPU: every tensor differs, the largest by 0.76%, the held-out scores equal
-    to 4 decimals, the training-prompt checks within 0.004."""
-    made, shipped = _weights(repretrained), _weights(SHIPPED)
+def test_pretrain_on_this_cpu_gives_the_shipped_vae(prefix):
+    """On any CPU, pretraining gives the shipped VAE up to the float32 summation order of its kernels: every tensor
+    within 3% (relative norm) of the shipped one."""
+    _, folder = prefix
+    made = load_file(folder / "diffusion_pytorch_model.safetensors")
+    shipped = load_file(SHIPPED / "vae" / "diffusion_pytorch_model.safetensors")
     assert made.keys() == shipped.keys()
     far = {k: rel for k in made
            if (rel := ((made[k] - shipped[k]).norm() / shipped[k].norm().clamp_min(1e-12)).item()) > 0.03}
     assert not far, f"tensors more than 3% from the shipped weights: {far}"
-    made_eval = json.loads((repretrained / EVAL_FILE).read_text())
-    shipped_eval = json.loads((SHIPPED / EVAL_FILE).read_text())
-    for split in ("heldout", "train"):
-        for check, value in shipped_eval[split].items():
-            assert abs(made_eval[split][check] - value) <= 0.01, (split, check, made_eval[split][check], value)

@@ -19,8 +19,8 @@ def _rows(out) -> list[dict]:
 def _grpo(toy_world, out, *flags: str, nproc: int = 2, eval_prompts=None):
     return run_torchrun(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(toy_world["model"]),
                          "--data_json_path", str(toy_world["train"]), "--eval_prompts",
-                         str(eval_prompts or toy_world["heldout"]), "--output_dir", str(out), "--device", "cpu", "--h", "64",
-                         "--w", "64", "--sampling_steps", "8", "--shift", "1", "--reward", "toyworld:1.0",
+                         str(eval_prompts or toy_world["heldout"]), "--output_dir", str(out), "--device", "cpu", "--h", "32",
+                         "--w", "32", "--sampling_steps", "8", "--shift", "1", "--reward", "toyworld:1.0",
                          "--sde_type", "flow_sde", "--eta", "1.0", "--init_same_noise", "--num_generations", "8", "--prompts_per_step",
                          "8", "--rollout_batch_size", "32", "--train_batch_size", "16", "--timestep_fraction", "1.0",
                          "--clip_range", "1e-3", "--adv_clip_max", "5", "--lr_warmup_steps", "0",
@@ -70,12 +70,12 @@ def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_p
 # test_launchers.py::test_grpo_launcher_builds_the_toy_world_and_trains, its evaluation in the test above
 @pytest.mark.slow
 def test_grpo_demo_runs_and_does_not_collapse(tmp_path):
-    """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2 min): it evaluates the held-out prompts (128) at
-    steps 0, 10, 20, 30 and 40, and no evaluation falls more than 0.03 below step 0's (the lr-0 control's value at
-    every step, test above). This is not an "it learns" test: seeds 0 (this test's) / 1 / 2 gave held-out scores
-    0.422 -> 0.457, 0.438 -> 0.452 and 0.418 -> 0.417 at step 40 (gains +0.035 / +0.015 / -0.001; mean +0.016, about
-    one standard error of a 128-prompt evaluation), with the lowest evaluation 0.000 / -0.008 / -0.005 below step 0's.
-    A margin every seed clears does not exist at 40 steps; a toy world where accuracy visibly rises is issue 31."""
+    """The GRPO toy-world demo as a user runs it, cut to 40 steps (~2.5 min): it evaluates the held-out prompts (128)
+    at steps 0, 10, 20, 30 and 40, and no evaluation falls more than 0.03 below step 0's (the lr-0 control's value at
+    every step, test above). This is not an "it learns" test: on the current base model (32 px, held-out strict 0.031)
+    seeds 0 (this test's) / 1 / 2 gave held-out scores 0.449 -> 0.484, 0.440 -> 0.456 and 0.452 -> 0.478 at step 40
+    (lowest evaluation 0.000 / 0.000 / 0.000 below step 0's) and held-out strict accuracy moved by at most 2 of 128
+    prompts; the training reward stayed at 0.82 (docs/toy-world.md). Issue 31's +0.10 strict gain is not reached."""
     env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"),
            "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
     env.pop("MODEL_PATH", None)

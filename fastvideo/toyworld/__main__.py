@@ -16,6 +16,8 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("pretrain", help="train the toy FLUX (VAE + transformer) on toy-world scenes from scratch")
     p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
+    p.add_argument("--eval_every", type=int, default=0, help="also log a 128-prompt evaluation of the EMA every N "
+                   "transformer steps (0 = only the final one; does not change the weights)")
     for f in dataclasses.fields(PretrainConfig):
         kind = type(f.default)
         if kind is bool:
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as err:
         sys.exit(str(err))
-    path = pretrain(out, cfg, log=lambda msg: print(msg, flush=True))
+    path = pretrain(out, cfg, log=lambda msg: print(msg, flush=True), eval_every=args.eval_every)
     print(f"toy FLUX: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
 
 

@@ -46,6 +46,7 @@ def cpu_fingerprint() -> str:
         pass
     return f"{model} / {torch.backends.cpu.get_cpu_capability()}"
 EVAL_FILE = "eval.json"
+PREFIX_STEPS = 300  # transformer steps whose EMA digest toyworld.json records (what the slow test re-runs)
 TINY_PRESET = "tiny"
 SHIPPED = Path(__file__).parent / "weights"  # the default config's output (vae/, transformer/, the two JSON files)
 
@@ -55,22 +56,25 @@ class PretrainConfig:
     """Everything that determines the pretrained weights (saved in ``toyworld.json``)."""
 
     seed: int = 0
-    size: int = 64  # image side in px
+    size: int = 32  # image side in px
     text_len: int = 16  # T5 tokens (the longest toy-world prompt has 13)
-    num_scenes: int = 8192  # rendered training scenes
+    num_scenes: int = 16384  # rendered training scenes
+    layout: str = "tidy"  # scenes.LAYOUT_STYLES: how the training scenes are laid out
     vae_channels: tuple[int, ...] = (8, 16, 16)  # AutoencoderKL block widths: scale factor 2 ** (len - 1)
     latent_channels: int = 4
-    vae_steps: int = 400
+    vae_steps: int = 800
     vae_batch: int = 32
     vae_lr: float = 2e-3
     vae_kl: float = 1e-6
-    steps: int = 5000  # transformer optimizer steps
+    steps: int = 6000  # transformer optimizer steps
     batch: int = 32
     lr: float = 2e-3
     warmup: int = 200
     weight_decay: float = 0.0
     ema_decay: float = 0.999
-    heads: int = 4
+    cond_dropout: float = 0.1  # share of training scenes whose text is replaced by the empty prompt's (enables CFG)
+    constant_pooled: bool = False  # the CLIP text encoder's pooled output is the same for every prompt (write_text_side)
+    heads: int = 8
     head_dim: int = 16
     double_layers: int = 2
     single_layers: int = 4
@@ -83,6 +87,8 @@ class PretrainConfig:
         if not scenes.MIN_IMAGE_SIZE <= self.size <= scenes.MAX_IMAGE_SIZE or self.size % 8:
             raise ValueError(f"size must be a multiple of 8 in [{scenes.MIN_IMAGE_SIZE}, {scenes.MAX_IMAGE_SIZE}], "
                              f"got {self.size}")
+        if not 0 <= self.cond_dropout < 1:
+            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
         for name in ("num_scenes", "vae_batch", "batch", "heads", "head_dim", "text_len", "sample_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -90,8 +96,22 @@ class PretrainConfig:
         if self.size % (2 ** len(self.vae_channels)):
             raise ValueError(f"size {self.size} must be a multiple of 2 x the VAE scale factor "
                              f"({2 ** len(self.vae_channels)} for vae_channels {self.vae_channels})")
+        if self.layout not in scenes.LAYOUT_STYLES:
+            raise ValueError(f"layout must be one of {scenes.LAYOUT_STYLES}, got {self.layout!r}")
         if self.head_dim % 4 or self.head_dim < 8:
             raise ValueError(f"head_dim must be a multiple of 4 and >= 8 (RoPE axes), got {self.head_dim}")
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of a module's state dict (names, dtypes, shapes and bytes in name order): equal digests, equal weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, value in sorted(module.state_dict().items()):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _gen(cfg: PretrainConfig, phase: str) -> torch.Generator:
@@ -113,7 +133,7 @@ def render_scenes(cfg: PretrainConfig) -> tuple[list[str], torch.Tensor]:
     idx = torch.randint(len(train), (cfg.num_scenes,), generator=_gen(cfg, "scenes"))
     prompts = [train[i] for i in idx.tolist()]
     seeds = [derive_seed(cfg.seed, "toyworld-scene", i) for i in range(cfg.num_scenes)]
-    return prompts, scenes.render_batch(prompts, cfg.size, seeds)
+    return prompts, scenes.render_batch(prompts, cfg.size, seeds, cfg.layout)
 
 
 def build_vae(cfg: PretrainConfig):
@@ -198,8 +218,17 @@ def _lr_at(cfg: PretrainConfig, step: int) -> float:
 
 
 def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor,
-                      geometry: flux.LatentGeometry, log: Callable[[str], None] | None = None):
-    """Flow matching on packed clean latents (N, L, C) with per-scene text (N, T, D) / (N, Dp); returns the EMA."""
+                      geometry: flux.LatentGeometry, log: Callable[[str], None] | None = None,
+                      null_text: tuple[torch.Tensor, torch.Tensor] | None = None, stop_after: int | None = None,
+                      digests: dict[str, str] | None = None,
+                      progress: Callable[[int, torch.nn.Module], None] | None = None, progress_every: int = 0):
+    """Flow matching on packed clean latents (N, L, C) with per-scene text (N, T, D) / (N, Dp); returns the EMA.
+    With ``cfg.cond_dropout`` > 0 that share of each batch (seeded) trains on ``null_text`` (the empty prompt's T5 /
+    pooled embeddings), so the model also predicts unconditionally (true CFG with the empty negative prompt).
+    ``stop_after``: return after that many steps (the schedule is still ``cfg.steps`` long: a prefix of the run);
+    ``digests``: filled with the EMA's ``weights_digest`` after ``PREFIX_STEPS`` steps (``transformer_prefix``);
+    ``progress(step, ema)`` every ``progress_every`` steps (an evaluation: it must not touch this function's random
+    streams, and it does not change the weights)."""
     model = build_transformer(cfg).train()
     ema = build_transformer(cfg).eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
@@ -210,7 +239,7 @@ def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.
     txt_ids = flux.text_ids(embeds.shape[1])
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16)
     t0 = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(cfg.steps if stop_after is None else min(stop_after, cfg.steps)):
         for group in opt.param_groups:
             group["lr"] = _lr_at(cfg, step)
         idx = torch.randint(len(latents), (cfg.batch,), generator=g)
@@ -219,8 +248,13 @@ def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.
         sigma = torch.sigmoid(torch.randn(cfg.batch, generator=g))
         s = sigma[:, None, None]
         xt = (1 - s) * x0 + s * eps
+        text, vec = embeds[idx], pooled[idx]
+        if cfg.cond_dropout > 0:  # drawn only then: runs without it keep their random stream
+            drop = torch.rand(cfg.batch, generator=g) < cfg.cond_dropout
+            text = torch.where(drop[:, None, None], null_text[0], text)
+            vec = torch.where(drop[:, None], null_text[1], vec)
         with autocast:
-            v = flux.predict_velocity(model, xt, sigma, embeds[idx], pooled[idx], img_ids, txt_ids, guidance=None)
+            v = flux.predict_velocity(model, xt, sigma, text, vec, img_ids, txt_ids, guidance=None)
         loss = torch.nn.functional.mse_loss(v.float(), eps - x0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -230,6 +264,10 @@ def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.
             decay = min(cfg.ema_decay, (1 + step) / (10 + step))
             for pe, pm in zip(ema.parameters(), model.parameters()):
                 pe.lerp_(pm, 1 - decay)
+        if digests is not None and step + 1 == PREFIX_STEPS:
+            digests["transformer_prefix"] = weights_digest(ema)
+        if progress is not None and progress_every and (step + 1) % progress_every == 0 and step + 1 < cfg.steps:
+            progress(step + 1, ema)
         if step % 250 == 0 or step == cfg.steps - 1:
             _log(f"transformer step {step:5d} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", log)
     return ema
@@ -273,8 +311,11 @@ def evaluate(transformer, vae, encoders: flux.TextEncoders, cfg: PretrainConfig,
 
 
 # ----------------------------------------------------------------------------------------------- the whole run
-def write_text_side(folder: Path) -> None:
-    """Put the tiny preset's text encoders, tokenizers, scheduler and model_index.json (seed 0) into ``folder``."""
+def write_text_side(folder: Path, constant_pooled: bool = False) -> None:
+    """Put the tiny preset's text encoders, tokenizers, scheduler and model_index.json (seed 0) into ``folder``.
+    ``constant_pooled``: zero the CLIP encoder's final layer-norm scale, so its pooled output (FLUX's global text
+    vector) is the same for every prompt and the transformer reads the prompt only through the T5 tokens, whose
+    colour and shape features are linearly separable also for held-out pairs (the pooled vector's are not)."""
     import shutil
 
     from fastvideo.tiny import build_tiny_flux
@@ -284,6 +325,13 @@ def write_text_side(folder: Path) -> None:
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler", "model_index.json"):
         (base / name).rename(folder / name)
     shutil.rmtree(base)
+    if constant_pooled:
+        from transformers import CLIPTextModel
+
+        clip = CLIPTextModel.from_pretrained(folder / "text_encoder")
+        with torch.no_grad():
+            clip.final_layer_norm.weight.zero_()  # transformers 5: CLIPTextModel holds the text transformer itself
+        clip.save_pretrained(folder / "text_encoder", safe_serialization=True)
 
 
 def build_from_shipped(out_dir: str | Path) -> Path:
@@ -297,8 +345,10 @@ def build_from_shipped(out_dir: str | Path) -> Path:
         raise FileNotFoundError(f"no shipped toy-world weights in {SHIPPED}: reinstall the package, or run "
                                 "python -m fastvideo.toyworld pretrain --out DIR")
 
+    constant_pooled = json.loads((SHIPPED / INFO_FILE).read_text())["config"].get("constant_pooled", False)
+
     def write(tmp: Path) -> None:
-        write_text_side(tmp)
+        write_text_side(tmp, constant_pooled)
         for name in ("vae", "transformer"):
             shutil.copytree(SHIPPED / name, tmp / name)
         for name in (INFO_FILE, EVAL_FILE):
@@ -307,40 +357,70 @@ def build_from_shipped(out_dir: str | Path) -> Path:
     return _write_atomically(out_dir, write)
 
 
+def _train_models(folder: Path, cfg: PretrainConfig, log: Callable[[str], None] | None, timings: dict[str, float],
+                  digests: dict[str, str], stop_after: int | None = None, eval_every: int = 0):
+    """Phases 1-4 with ``folder``'s text side (written here): (vae, transformer EMA, encoders, geometry); fills
+    ``timings`` and ``digests`` (``vae``, ``transformer_prefix``); ``stop_after``: the transformer's first steps only;
+    ``eval_every``: log ``evaluate`` of the EMA on 128 prompts per split every that many steps (weights unchanged)."""
+    t = time.perf_counter()
+    write_text_side(folder, cfg.constant_pooled)
+    encoders = flux.load_text_encoders(folder)
+    prompts, images = render_scenes(cfg)
+    timings["scenes"] = time.perf_counter() - t
+    _log(f"rendered {len(prompts)} scenes in {timings['scenes']:.1f} s", log)
+
+    t = time.perf_counter()
+    vae = train_vae(cfg, images, log)
+    digests["vae"] = weights_digest(vae)
+    timings["vae"] = time.perf_counter() - t
+    geometry = flux.latent_geometry(vae, cfg.size, cfg.size)
+    with torch.no_grad():
+        latents = flux.encode(vae, images, geometry, micro_batch=256)
+    del images
+
+    t = time.perf_counter()
+    text = encode_text(encoders, prompts + [""] * (cfg.cond_dropout > 0), cfg.text_len)
+    embeds = torch.stack([text[p][0] for p in prompts])
+    pooled = torch.stack([text[p][1] for p in prompts])
+    timings["text"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    def progress(step: int, ema: torch.nn.Module) -> None:
+        _log(f"eval at step {step}: {json.dumps(evaluate(ema, vae, encoders, cfg, geometry, num_prompts=128))}", log)
+
+    transformer = train_transformer(cfg, latents, embeds, pooled, geometry, log, null_text=text.get(""),
+                                    stop_after=stop_after, digests=digests, progress=progress,
+                                    progress_every=eval_every)
+    timings["transformer"] = time.perf_counter() - t
+    return vae, transformer, encoders, geometry
+
+
+def pretrain_prefix(cfg: PretrainConfig = PretrainConfig(), log: Callable[[str], None] | None = None):
+    """(digests, vae): the ``digests`` a whole ``pretrain`` records (the finished VAE; the transformer EMA after
+    ``PREFIX_STEPS`` steps) and the VAE, from a run stopped there: the check that pretraining still reproduces, in
+    minutes instead of the whole run's time (bit for bit only with the same CPU kernels and thread count)."""
+    import tempfile
+
+    digests: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        vae, _, _, _ = _train_models(Path(tmp), cfg, log, {}, digests, stop_after=PREFIX_STEPS)
+    return digests, vae
+
+
 def pretrain(out_dir: str | Path, cfg: PretrainConfig = PretrainConfig(),
-             log: Callable[[str], None] | None = print) -> Path:
-    """Run every phase and write a FluxPipeline folder to ``out_dir`` (atomically); returns its path."""
+             log: Callable[[str], None] | None = print, eval_every: int = 0) -> Path:
+    """Run every phase and write a FluxPipeline folder to ``out_dir`` (atomically); returns its path. toyworld.json
+    records the config, thread count, CPU, timings, the trainers' sampling settings and the ``digests`` that
+    ``pretrain_prefix`` re-makes. ``eval_every``: also log a 128-prompt evaluation every that many transformer steps
+    (the weights do not change)."""
     from fastvideo.tiny import _write_atomically
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 
     def write(tmp: Path) -> None:
-        t = time.perf_counter()
-        write_text_side(tmp)
-        encoders = flux.load_text_encoders(tmp)
-        prompts, images = render_scenes(cfg)
-        timings["scenes"] = time.perf_counter() - t
-        _log(f"rendered {len(prompts)} scenes in {timings['scenes']:.1f} s", log)
-
-        t = time.perf_counter()
-        vae = train_vae(cfg, images, log)
-        timings["vae"] = time.perf_counter() - t
-        geometry = flux.latent_geometry(vae, cfg.size, cfg.size)
-        with torch.no_grad():
-            latents = flux.encode(vae, images, geometry, micro_batch=256)
-        del images
-
-        t = time.perf_counter()
-        text = encode_text(encoders, prompts, cfg.text_len)
-        embeds = torch.stack([text[p][0] for p in prompts])
-        pooled = torch.stack([text[p][1] for p in prompts])
-        timings["text"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        transformer = train_transformer(cfg, latents, embeds, pooled, geometry, log)
-        timings["transformer"] = time.perf_counter() - t
-
+        digests: dict[str, str] = {}
+        vae, transformer, encoders, geometry = _train_models(tmp, cfg, log, timings, digests, eval_every=eval_every)
         vae.save_pretrained(tmp / "vae", safe_serialization=True)
         transformer.save_pretrained(tmp / "transformer", safe_serialization=True)
         t = time.perf_counter()
@@ -349,7 +429,7 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig = PretrainConfig(),
         timings["total"] = time.perf_counter() - t_start
         _log(f"eval: {json.dumps(result)}", log)
         info = {"config": dataclasses.asdict(cfg), "threads": torch.get_num_threads(), "cpu": cpu_fingerprint(),
-                "timings_s": {k: round(v, 1) for k, v in timings.items()},
+                "timings_s": {k: round(v, 1) for k, v in timings.items()}, "digests": digests,
                 "recommended": {"h": cfg.size, "w": cfg.size, "max_sequence_length": cfg.text_len,
                                 "sampling_steps": cfg.sample_steps, "shift": cfg.sample_shift}}
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -44,6 +44,7 @@ COUNT_WORDS: dict[int, str] = {1: "a", 2: "two", 3: "three"}
 _PARSE_COUNTS: dict[str, int] = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
 RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 MAX_OBJECTS = 4
+LAYOUT_STYLES: tuple[str, ...] = ("random", "tidy")  # see layout()
 # Prompts that mention any of these (colour, shape) pairs are held out of training; every colour and every
 # shape still appears in training with its other partners, so held-out prompts test compositional generalisation.
 HELDOUT_PAIRS: frozenset[tuple[str, str]] = frozenset({("yellow", "triangle"), ("blue", "circle"),
@@ -227,12 +228,17 @@ def _relation_holds(c1: np.ndarray, c2: np.ndarray, relation: str, gap: float) -
     return a.min(axis=1) >= b.max(axis=1) + gap
 
 
-def layout(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> list[PlacedObject]:
-    """A random valid layout of ``spec`` (deterministic for (prompt, size, seed)): objects inside the image with
+def layout(spec: SceneSpec | str, size: int = 64, seed: int = 0, style: str = "random") -> list[PlacedObject]:
+    """A valid layout of ``spec`` (deterministic for (prompt, size, seed, style)): objects inside the image with
     ``MARGIN`` px to the border and between bounding boxes, sides in ``side_range(size)``, and the relation held
-    by centroids with at least ``relation_margin(size)`` px to spare. ValueError if no layout is found."""
+    by centroids with at least ``relation_margin(size)`` px to spare. ``style``: ``random`` (any valid placement,
+    uniform sides) or ``tidy`` (``tidy_layout``). ValueError if no layout is found."""
     spec = parse_prompt(spec) if isinstance(spec, str) else spec
     _check_size(size)
+    if style not in LAYOUT_STYLES:
+        raise ValueError(f"unknown layout style {style!r}; use one of {LAYOUT_STYLES}")
+    if style == "tidy":
+        return tidy_layout(spec, size, seed)
     lo, hi = side_range(size)
     kinds = [(gi, color, shape) for gi, (count, color, shape) in enumerate(spec.groups) for _ in range(count)]
     n = len(kinds)
@@ -263,6 +269,58 @@ def layout(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> list[PlacedO
                      f"{_LAYOUT_ROUNDS * _LAYOUT_BATCH} tries; use a larger image size")
 
 
+def _valid(objects: Sequence[PlacedObject], spec: SceneSpec, size: int) -> bool:
+    """Whether placed objects satisfy ``layout``'s rules (inside the border, boxes apart, relation with margin)."""
+    for o in objects:
+        if o.x < MARGIN or o.y < MARGIN or o.x + o.side > size - MARGIN or o.y + o.side > size - MARGIN:
+            return False
+    for a, b in itertools.combinations(objects, 2):
+        apart_x = a.x + a.side + MARGIN <= b.x or b.x + b.side + MARGIN <= a.x
+        apart_y = a.y + a.side + MARGIN <= b.y or b.y + b.side + MARGIN <= a.y
+        if not (apart_x or apart_y):
+            return False
+    if spec.relation is None:
+        return True
+    cent = [np.array([[o.centroid for o in objects if o.group == g]]) for g in (0, 1)]
+    return bool(_relation_holds(cent[0], cent[1], spec.relation, relation_margin(size))[0])
+
+
+def tidy_layout(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> list[PlacedObject]:
+    """A canonical layout with a little jitter: one side for all objects (the middle of ``side_range``); a relation
+    gives each group its half of the image (group 1 on the relation's side); a group's objects sit evenly spaced
+    along its region's longer axis (a row for one group or above/below, a column for left/right), each moved by up
+    to ``size // 32`` px per axis (seeded). The pretraining data's low-entropy layouts (``PretrainConfig.layout``)."""
+    spec = parse_prompt(spec) if isinstance(spec, str) else spec
+    lo, hi = side_range(size)
+    side = lo + (hi - lo) // 2
+    half = size / 2
+    if spec.relation is None:
+        regions = [(0.0, 0.0, float(size), float(size))]
+    else:
+        first = {"left of": (0.0, 0.0, half, size), "right of": (half, 0.0, half, size),
+                 "above": (0.0, 0.0, size, half), "below": (0.0, half, size, half)}[spec.relation]
+        other = {"left of": (half, 0.0, half, size), "right of": (0.0, 0.0, half, size),
+                 "above": (0.0, half, size, half), "below": (0.0, 0.0, size, half)}[spec.relation]
+        regions = [tuple(float(v) for v in first), tuple(float(v) for v in other)]
+    rng = np.random.default_rng(derive_seed(seed, "toyworld-tidy-layout", format_prompt(spec), size))
+    jitter = max(1, size // 32)
+    centres = []
+    for gi, ((count, color, shape), (x0, y0, w, h)) in enumerate(zip(spec.groups, regions)):
+        for k in range(count):
+            along = (k + 0.5) / count
+            cx, cy = (x0 + along * w, y0 + h / 2) if w >= h else (x0 + w / 2, y0 + along * h)
+            centres.append((gi, color, shape, cx, cy))
+    moves = rng.integers(-jitter, jitter + 1, size=(len(centres), 2))
+    for scale in (1, 0):  # jittered; if that breaks a rule (the smallest images), the unjittered layout
+        objects = [PlacedObject(gi, color, shape,
+                                int(np.clip(round(cx - side / 2) + scale * dx, MARGIN, size - MARGIN - side)),
+                                int(np.clip(round(cy - side / 2) + scale * dy, MARGIN, size - MARGIN - side)), side)
+                   for (gi, color, shape, cx, cy), (dx, dy) in zip(centres, moves)]
+        if _valid(objects, spec, size):
+            return objects
+    raise ValueError(f"no tidy layout for {format_prompt(spec)!r} at {size} px; use a larger image size")
+
+
 def shape_mask(shape: str, side: int) -> np.ndarray:
     """(side, side) bool mask of a filled shape in its bounding box (pixel centres inside the shape)."""
     c = (np.arange(side) + 0.5)  # pixel centres
@@ -287,14 +345,15 @@ def draw(objects: Sequence[PlacedObject], size: int = 64) -> np.ndarray:
     return image
 
 
-def render(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> np.ndarray:
-    """A (size, size, 3) uint8 image of ``spec`` (or a prompt) with a random valid layout, deterministic per seed."""
-    return draw(layout(spec, size, seed), size)
+def render(spec: SceneSpec | str, size: int = 64, seed: int = 0, style: str = "random") -> np.ndarray:
+    """A (size, size, 3) uint8 image of ``spec`` (or a prompt) with a valid layout of ``style``, deterministic per
+    seed."""
+    return draw(layout(spec, size, seed, style), size)
 
 
-def render_prompt(text: str, size: int = 64, seed: int = 0) -> np.ndarray:
-    """``render(parse_prompt(text), size, seed)``."""
-    return render(parse_prompt(text), size, seed)
+def render_prompt(text: str, size: int = 64, seed: int = 0, style: str = "random") -> np.ndarray:
+    """``render(parse_prompt(text), size, seed, style)``."""
+    return render(parse_prompt(text), size, seed, style)
 
 
 def to_tensor(image: np.ndarray) -> torch.Tensor:
@@ -302,8 +361,10 @@ def to_tensor(image: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div_(255.0)
 
 
-def render_batch(prompts: Sequence[str], size: int = 64, seeds: int | Sequence[int] = 0) -> torch.Tensor:
-    """(B, 3, size, size) float32 in [0, 1]; ``seeds`` is one seed per prompt, or one int used for all."""
+def render_batch(prompts: Sequence[str], size: int = 64, seeds: int | Sequence[int] = 0,
+                 style: str = "random") -> torch.Tensor:
+    """(B, 3, size, size) float32 in [0, 1]; ``seeds`` is one seed per prompt, or one int used for all; ``style``:
+    the layout (``layout``)."""
     prompts = list(prompts)
     seeds = [int(seeds)] * len(prompts) if isinstance(seeds, (int, np.integer)) else [int(s) for s in seeds]
     if len(seeds) != len(prompts):
@@ -311,4 +372,4 @@ def render_batch(prompts: Sequence[str], size: int = 64, seeds: int | Sequence[i
     _check_size(size)
     if not prompts:
         return torch.zeros(0, 3, size, size)
-    return torch.stack([to_tensor(render_prompt(p, size, s)) for p, s in zip(prompts, seeds)])
+    return torch.stack([to_tensor(render_prompt(p, size, s, style)) for p, s in zip(prompts, seeds)])
