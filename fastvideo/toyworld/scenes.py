@@ -250,17 +250,7 @@ def layout(spec: SceneSpec | str, size: int = 64, seed: int = 0, style: str = "r
         span = size - 2 * MARGIN - sides  # top-left positions in [MARGIN, MARGIN + span]
         xs = MARGIN + np.floor(rng.random((_LAYOUT_BATCH, n)) * (span + 1)).astype(np.int64)
         ys = MARGIN + np.floor(rng.random((_LAYOUT_BATCH, n)) * (span + 1)).astype(np.int64)
-        ok = np.ones(_LAYOUT_BATCH, dtype=bool)
-        for i, j in itertools.combinations(range(n), 2):  # bounding boxes at least MARGIN px apart on some axis
-            apart_x = (xs[:, i] + sides[:, i] + MARGIN <= xs[:, j]) | (xs[:, j] + sides[:, j] + MARGIN <= xs[:, i])
-            apart_y = (ys[:, i] + sides[:, i] + MARGIN <= ys[:, j]) | (ys[:, j] + sides[:, j] + MARGIN <= ys[:, i])
-            ok &= apart_x | apart_y
-        if spec.relation is not None:
-            cx = xs + sides / 2
-            cy = ys + np.where(is_triangle, 2 * sides / 3, sides / 2)
-            cent = np.stack([cx, cy], axis=-1)  # (N, n, 2)
-            ok &= _relation_holds(cent[:, in_group1], cent[:, ~in_group1], spec.relation, relation_margin(size))
-        hits = np.flatnonzero(ok)
+        hits = np.flatnonzero(_placements_ok(xs, ys, sides, is_triangle, in_group1, spec.relation, size))
         if hits.size:
             k = hits[0]
             return [PlacedObject(gi, color, shape, int(xs[k, i]), int(ys[k, i]), int(sides[k, i]))
@@ -269,20 +259,22 @@ def layout(spec: SceneSpec | str, size: int = 64, seed: int = 0, style: str = "r
                      f"{_LAYOUT_ROUNDS * _LAYOUT_BATCH} tries; use a larger image size")
 
 
-def _valid(objects: Sequence[PlacedObject], spec: SceneSpec, size: int) -> bool:
-    """Whether placed objects satisfy ``layout``'s rules (inside the border, boxes apart, relation with margin)."""
-    for o in objects:
-        if o.x < MARGIN or o.y < MARGIN or o.x + o.side > size - MARGIN or o.y + o.side > size - MARGIN:
-            return False
-    for a, b in itertools.combinations(objects, 2):
-        apart_x = a.x + a.side + MARGIN <= b.x or b.x + b.side + MARGIN <= a.x
-        apart_y = a.y + a.side + MARGIN <= b.y or b.y + b.side + MARGIN <= a.y
-        if not (apart_x or apart_y):
-            return False
-    if spec.relation is None:
-        return True
-    cent = [np.array([[o.centroid for o in objects if o.group == g]]) for g in (0, 1)]
-    return bool(_relation_holds(cent[0], cent[1], spec.relation, relation_margin(size))[0])
+def _placements_ok(xs: np.ndarray, ys: np.ndarray, sides: np.ndarray, is_triangle: np.ndarray, in_group1: np.ndarray,
+                   relation: str | None, size: int) -> np.ndarray:
+    """(N,) whether each of N candidate placements (top-left ``xs``, ``ys`` and ``sides``, each (N, n); objects inside
+    the border by construction) keeps every two bounding boxes ``MARGIN`` px apart on some axis and holds the relation
+    by centroids with ``relation_margin(size)`` to spare: the rules of ``layout``, for both styles."""
+    ok = np.ones(len(xs), dtype=bool)
+    for i, j in itertools.combinations(range(xs.shape[1]), 2):
+        apart_x = (xs[:, i] + sides[:, i] + MARGIN <= xs[:, j]) | (xs[:, j] + sides[:, j] + MARGIN <= xs[:, i])
+        apart_y = (ys[:, i] + sides[:, i] + MARGIN <= ys[:, j]) | (ys[:, j] + sides[:, j] + MARGIN <= ys[:, i])
+        ok &= apart_x | apart_y
+    if relation is not None:
+        cx = xs + sides / 2
+        cy = ys + np.where(is_triangle, 2 * sides / 3, sides / 2)
+        cent = np.stack([cx, cy], axis=-1)  # (N, n, 2)
+        ok &= _relation_holds(cent[:, in_group1], cent[:, ~in_group1], relation, relation_margin(size))
+    return ok
 
 
 def tidy_layout(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> list[PlacedObject]:
@@ -316,7 +308,9 @@ def tidy_layout(spec: SceneSpec | str, size: int = 64, seed: int = 0) -> list[Pl
                                 int(np.clip(round(cx - side / 2) + scale * dx, MARGIN, size - MARGIN - side)),
                                 int(np.clip(round(cy - side / 2) + scale * dy, MARGIN, size - MARGIN - side)), side)
                    for (gi, color, shape, cx, cy), (dx, dy) in zip(centres, moves)]
-        if _valid(objects, spec, size):
+        xs, ys = (np.array([[getattr(o, a) for o in objects]]) for a in ("x", "y"))  # clipped inside the border
+        if _placements_ok(xs, ys, np.full_like(xs, side), np.array([o.shape == "triangle" for o in objects]),
+                          np.array([o.group == 0 for o in objects]), spec.relation, size)[0]:
             return objects
     raise ValueError(f"no tidy layout for {format_prompt(spec)!r} at {size} px; use a larger image size")
 
