@@ -403,9 +403,13 @@ def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, 
              *, compare_checkpointing: bool = True) -> MemoryPlan:
     """The memory plan of ``train_nft.py`` with these (validated) flags on ``world_size`` ranks: the old policy (a
     second fp32 adapter, or a second sharded fp32 transformer for a full fine-tune) and its no-grad forward next to
-    each trained one, the reference forward with --kl_beta > 0, an ODE rollout of this rank's samples."""
+    each trained one where the run keeps one (``nft_uses_old_policy``: DiffusionNFT always, AWM only with
+    --awm_off_policy or --old_kl_beta > 0), the reference forward with --kl_beta > 0, an ODE rollout of this rank's
+    samples."""
+    from fastvideo.config import nft_uses_old_policy
+
     return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
-                 snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=True,
+                 snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=nft_uses_old_policy(args),
                  compare_checkpointing=compare_checkpointing)
 
 

@@ -366,6 +366,10 @@ def test_nft_plan_holds_the_old_policy_and_its_buffers(tiny_flux_dir):
     lora = plan(parse_nft_args, validate_nft, plan_nft, "--solver", "dpm2", "--eta", "0", "--lora_rank", "4")
     old = lora["old policy: adapter 'old' (fp32, sharded)"]
     assert old == pytest.approx(lora["AdamW state (fp32 exp_avg + exp_avg_sq)"] / 2) and 0 < old < 4 * n / 8 / 10
+    awm = plan(parse_nft_args, validate_nft, plan_nft, "--objective", "awm")  # on-policy AWM keeps no old policy
+    assert not any(k.startswith("old policy") for k in awm) and "v_old (fp32) kept through the trained forward" not in awm
+    assert any(k.startswith("old policy") for k in plan(parse_nft_args, validate_nft, plan_nft, "--objective", "awm",
+                                                        "--old_kl_beta", "0.1"))
 
 
 @pytest.mark.parametrize("lora", [False, True])
