@@ -16,13 +16,16 @@ SBATCH = "scripts/slurm_finetune_flux.sbatch"
 # srun: run the task once per node, SLURM_NODEID 0..N-1 (sequentially), as Slurm runs it once on each node
 SRUN = """#!/usr/bin/env bash
 [ "$1" = --nodes ] && [ "$3" = --ntasks-per-node ] && [ "$4" = 1 ] || { echo "srun stub: unexpected $*" >&2; exit 9; }
-nodes=$2; shift 4; status=0
-for ((node = 0; node < nodes; node++)); do SLURM_NODEID=$node "$@" || status=$?; done
+nodes=$2; shift 4; first=0
+if [ "$1" = --relative ]; then first=$2; shift 2; fi
+status=0
+for ((node = first; node < first + nodes; node++)); do SLURM_NODEID=$node "$@" || status=$?; done
 exit $status
 """
 SCONTROL = """#!/usr/bin/env bash
 case "$1 $2" in
-  "show hostnames") [ "$3" = "gpu-a[01-02]" ] && printf 'gpu-a01\\ngpu-a02\\n' ;;
+  "show hostnames") case "$3" in "gpu-a[01-02]") printf 'gpu-a01\\ngpu-a02\\n' ;;
+                    "gpu-a[01-03]") printf 'gpu-a01\\ngpu-a02\\ngpu-a03\\n' ;; esac ;;
   requeue*) echo "$2" >> "$STUB_DIR/requeued" ;;
   *) echo "scontrol stub: unexpected $*" >&2; exit 9 ;;
 esac
@@ -35,7 +38,11 @@ if sys.argv[1:3] == ["-m", "fastvideo.models"]:  # the launcher's model-family q
     os.execv("{python}", ["{python}", *sys.argv[1:]])
 out = os.environ["OUTPUT_DIR"]
 with open(os.path.join(os.environ["STUB_DIR"], "calls.jsonl"), "a") as f:
-    f.write(json.dumps(dict(argv=sys.argv[1:], shutdown=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))) + "\\n")
+    f.write(json.dumps(dict(argv=sys.argv[1:], shutdown=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+                            token=os.environ.get("FASTVIDEO_REWARD_TOKEN"), node=os.environ.get("SLURM_NODEID")))
+            + "\\n")
+if sys.argv[1:3] in (["-m", "fastvideo.rewards.serve"], ["-m", "fastvideo.rewards.http"]):  # a reward server / wait
+    sys.exit(0)
 if "--check_only" in sys.argv:  # the launcher's flag check before torchrun: the flags pass
     sys.exit(0)
 outcome = os.environ["STUB_OUTCOME"]
@@ -124,3 +131,34 @@ def test_outside_slurm_refuses(tmp_path):
     proc = subprocess.run(["bash", SBATCH], cwd=REPO, capture_output=True, text=True, timeout=30,
                           env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     assert proc.returncode != 0 and "submit with sbatch" in proc.stderr
+
+
+def test_reward_nodes_serve_and_trainers_score_remotely(tmp_path):
+    """REWARD_NODES=1 of 3: the last node runs one reward server per GPU (ports REWARD_PORT+g, cuda:g, the server
+    flags), the launcher waits for their /health, then the two training nodes run torchrun with
+    --reward remote:URL|URL... appended and the generated token in their environment."""
+    proc, calls = run_sbatch(tmp_path, "finished", "--max_train_steps", "7", SLURM_JOB_NUM_NODES="3",
+                             SLURM_JOB_NODELIST="gpu-a[01-03]", REWARD_NODES="1", REWARD_SPEC="hpsv2:1.0",
+                             REWARD_SERVER_ARGS="--hps_checkpoint /shared/hps.pt --max_batch_size 64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    urls = [f"http://gpu-a03:{31234 + g}" for g in range(8)]
+    servers = [c for c in calls if c["argv"][:2] == ["-m", "fastvideo.rewards.serve"]]
+    assert len(servers) == 8 and {c["node"] for c in servers} == {"2"}
+    for g, call in enumerate(sorted(servers, key=lambda c: int(c["argv"][c["argv"].index("--port") + 1]))):
+        assert call["argv"][2:] == ["--reward", "hpsv2:1.0", "--host", "0.0.0.0", "--port", str(31234 + g), "--device",
+                                    f"cuda:{g}", "--hps_checkpoint", "/shared/hps.pt", "--max_batch_size", "64"]
+    wait = [c for c in calls if c["argv"][:2] == ["-m", "fastvideo.rewards.http"]]
+    assert len(wait) == 1 and wait[0]["argv"][2:] == ["--wait", *urls, "--timeout_s", "900"]
+    torchrun = [c for c in calls if "torch.distributed.run" in c["argv"]]
+    assert [c["node"] for c in torchrun] == ["0", "1"]
+    token = torchrun[0]["token"]
+    assert token and len(token) == 32 and {c["token"] for c in calls} == {token}  # one token, every process
+    for call in torchrun:
+        argv = call["argv"]
+        assert argv[argv.index("--nnodes") + 1] == "2"
+        assert argv[-4:] == ["--max_train_steps", "7", "--reward", "remote:" + "|".join(urls)]
+
+
+def test_reward_nodes_must_leave_a_training_node(tmp_path):
+    proc, calls = run_sbatch(tmp_path, "finished", REWARD_NODES="2", REWARD_SPEC="hpsv2:1.0")
+    assert proc.returncode == 2 and "leaves no training node" in proc.stderr and not calls
