@@ -121,7 +121,7 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
     n = min(args.max_prompts or len(dataset), len(dataset))
     for spec in filter(None, (args.reward, args.eval_reward)):
-        check_reward_prompts(spec, dataset.prompts[:n], f"--prompts {args.prompts}")
+        check_reward_prompts(spec, dataset.prompts[:n], f"--prompts {args.prompts}", judge_score=args.judge_score)
     if base is not None:
         evaluation.check_compare_prompts(base, dataset.prompts[:n], args.compare)
 

@@ -24,7 +24,8 @@ setup(
     ],
     extras_require={
         # the logging backends are in the test extra so that CI checks what they receive
-        "test": ["pytest>=7.4", "pytest-timeout", "tensorboard", "wandb"],
+        "test": ["pytest>=7.4", "pytest-timeout", "tensorboard", "wandb", "fastapi", "uvicorn"],
+        "serve": ["fastapi", "uvicorn"],  # python -m fastvideo.rewards.serve (the remote:URL client needs nothing)
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

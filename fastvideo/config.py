@@ -251,7 +251,12 @@ class PlanOptions:
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility, toyworld, toyworld_clean)")
+                                   "jpeg_incompressibility, toyworld, toyworld_clean; over HTTP: "
+                                   "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
+                                   "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
+                                   "as judge; replicas http://A:PORT|http://B:PORT, a second server of one kind "
+                                   "remote.LABEL:URL; token: the FASTVIDEO_REWARD_TOKEN variable; "
+                                   "docs/reward-serving.md)")
     eval_reward: str | None = opt(None, "extra rewards the held-out evaluation (--eval_prompts) also scores, beside "
                                         "--reward, to watch what the training reward does not see (e.g. "
                                         "'toyworld_clean:1.0' under --reward toyworld): same syntax as --reward, "
@@ -260,6 +265,24 @@ class RewardOptions:
                                         "training number, checkpoint or recording changes (default: none)")
     reward_batch_size: int = opt(0, "images per reward-model call (0 = all of a rank's images in one call); lower it "
                                     "when a large reward model (HPS ViT-H) runs out of memory (scores do not change)")
+    reward_timeout_s: float = opt(120.0, "seconds a remote:URL / vlm_judge:URL reward waits for a server's reply, per "
+                                         "attempt (connection and each wait for bytes)")
+    reward_retries: int = opt(2, "retries of a remote:URL / vlm_judge:URL request that got no reply (refused, timed "
+                                 "out, HTTP 429/502/503/504), 0.5 s backoff doubling; then the next replica, then the "
+                                 "run stops naming the URL")
+    remote_batch_size: int = opt(0, "images per request of a remote:URL reward (0 = a reward call's images in one "
+                                    "request, split only to fit the server's --max_request_mb); a call's requests "
+                                    "run concurrently, spread over the URL's replicas")
+    remote_max_concurrency: int = opt(4, "requests of a remote:URL reward in flight at once, per process")
+    judge_model: str | None = opt(None, "model name a vlm_judge:URL reward asks for in its chat requests (default: the "
+                                        "server's first /v1/models entry)")
+    judge_template: str | None = opt(None, "text file with the question a vlm_judge:URL reward asks about each image, "
+                                           "{prompt} marking the prompt (default: a built-in question)")
+    judge_score: str = opt("yes_no", "how a vlm_judge:URL reward reads the answer: yes_no (P(yes)), number (a score "
+                                     "out of --judge_max_score, scaled to [0, 1]) or ocr (the prompt's quoted text "
+                                     "found in the image)", choices=("yes_no", "number", "ocr"))
+    judge_max_score: float = opt(10.0, "top of the scale a vlm_judge:URL reward's --judge_score number asks for")
+    judge_max_concurrency: int = opt(8, "chat requests of a vlm_judge:URL reward in flight at once, per process")
     hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
     hps_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for the HPS checkpoint")
     pickscore_model: str | None = opt(None, "local PickScore CLIPModel folder for the pickscore reward")
@@ -275,6 +298,14 @@ class RewardOptions:
         choices=("error", "drop"))
     aesthetic_clip_model: str = opt("ViT-L-14-quickgelu", "open_clip architecture of --aesthetic_clip_checkpoint "
                                                           "(when it is an open_clip file)")
+    reward_overlap: bool = opt(
+        False, "score each rollout micro-batch (--rollout_batch_size images) on a reward thread (on a GPU/NPU on its "
+        "own stream) as soon as it is decoded, while the next one samples: the step waits only for what is left "
+        "after the rollout (time_reward; the scorer's own seconds: time_reward_busy). Scores are computed per "
+        "micro-batch (each split by --reward_batch_size), so they equal a sequential run's with --reward_batch_size "
+        "= --rollout_batch_size: identical for rewards that score each image alone (toyworld, jpeg_*, a remote "
+        "server), within the kernels' batch-size effects for reward models. Sequential anyway with --replay_images "
+        "(the recorded images exist only after the rollout)")
 
 
 @dataclass
@@ -682,7 +713,7 @@ class Exclusion:
 # across layers). DPO's offline mode (--preference_file) excludes each of its online-only flags.
 DPO_ONLINE_ONLY = ("num_generations", "reward", "min_reward_gap", "sampler", "eta", "sde_type", "sde_window_size",
                    "sde_window_range", "sde_window_schedule", "sde_window_shift_interval", "sde_window_stride",
-                   "init_same_noise", "decode_x0", "last_step", "replay_images")
+                   "init_same_noise", "decode_x0", "last_step", "replay_images", "reward_overlap")
 EXCLUSIONS: tuple[Exclusion, ...] = (
     Exclusion("sde_window_size", "timestep_fraction",
               lambda a, d: a.sde_window_size > 0 and a.timestep_fraction is not None),
@@ -775,6 +806,14 @@ def _need(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_url_reward_options(args: argparse.Namespace) -> None:
+    """--reward_timeout_s, --reward_retries, --remote_* and --judge_* in range (ValueError naming the flag)."""
+    from fastvideo.rewards import check_reward_options
+    from fastvideo.training import REWARD_PATH_FLAGS
+
+    check_reward_options(**{k: getattr(args, k) for k in REWARD_PATH_FLAGS if hasattr(args, k)})
+
+
 def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> None:
     """FileNotFoundError naming the preprocessing command when ``path`` (a manifest or its folder) has no manifest."""
     if path is None:
@@ -848,6 +887,7 @@ def validate_common(args: argparse.Namespace) -> None:
 
         check_prompts_path("--eval_prompts", args.eval_prompts)
     _need(args.reward_batch_size >= 0, f"--reward_batch_size must be >= 0 (0 = one call), got {args.reward_batch_size}")
+    _check_url_reward_options(args)
     _need(getattr(args, "dry_run_world_size", None) is None or args.dry_run_world_size >= 1,
           f"--dry_run_world_size must be >= 1, got {getattr(args, 'dry_run_world_size', None)}")
     _need(args.max_train_steps >= 1, f"--max_train_steps must be >= 1, got {args.max_train_steps}")
@@ -1274,6 +1314,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
     if args.reward:
         parse_reward_spec(args.reward)
     parse_eval_reward_spec(args.eval_reward, args.reward)
+    _check_url_reward_options(args)
     out = Path(args.output_dir)
     if (out / "index.jsonl").exists():
         raise ValueError(f"--output_dir {out} already holds a sampling (index.jsonl); choose a new --output_dir (or "

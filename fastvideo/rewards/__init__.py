@@ -20,11 +20,24 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
   toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
                           score = mean of background fidelity, stray pixels and colour purity; also logs
                           toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
+
+Rewards scored by a server over HTTP take a URL instead of paths: ``FAMILY[.LABEL]:URL[:WEIGHT]``, where URL is
+``http://HOST:PORT[/PATH]`` or replicas ``http://A:PORT|http://B:PORT``; a trailing ``:WEIGHT`` is read as the weight
+only after an explicit port or path (``remote:http://h:8000:0.5``; ``remote:http://h:8000`` has weight 1). The
+component is logged as ``FAMILY[.LABEL]`` (a label tells two servers of one family apart: ``remote.hps:URL``).
+  remote                  a reward server (``python -m fastvideo.rewards.serve``; fastvideo.rewards.remote): logs the
+                          server's total as its value and each server component as remote_<component>;
+                          --remote_batch_size, --remote_max_concurrency, --reward_timeout_s, --reward_retries
+  vlm_judge               a vision-language model behind an OpenAI-compatible chat server (fastvideo.rewards.vlm_judge):
+                          --judge_model, --judge_template, --judge_score, --judge_max_score, --judge_max_concurrency,
+                          --reward_timeout_s, --reward_retries
+Their bearer token comes from the environment variable FASTVIDEO_REWARD_TOKEN only (flags are written to config.json).
 """
 from __future__ import annotations
 
 import importlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -43,7 +56,19 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "toyworld": ("fastvideo.rewards.toyworld", "build"),
     "toyworld_clean": ("fastvideo.rewards.toyworld", "build_clean"),
 }
-REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
+# build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
+_URL_REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "remote": ("fastvideo.rewards.remote", "build",
+               ("remote_batch_size", "remote_max_concurrency", "reward_timeout_s", "reward_retries")),
+    "vlm_judge": ("fastvideo.rewards.vlm_judge", "build",
+                  ("judge_model", "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency",
+                   "reward_timeout_s", "reward_retries")),
+}
+REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # the rewards computed in this process
+URL_REWARD_NAMES: tuple[str, ...] = tuple(_URL_REGISTRY)
+JUDGE_SCORES = ("yes_no", "number", "ocr")  # --judge_score: how a vlm_judge reads the chat model's answer
+_URL_NAME = re.compile(r"(?P<family>[a-z_]+)(?:\.(?P<label>[A-Za-z0-9_]+))?")
 
 # Rewards that score only some prompts: name -> (module, function(prompts) raising ValueError), run on the training and
 # evaluation prompts before any model loads.
@@ -72,6 +97,11 @@ def display_values(metrics: dict[str, float]) -> dict[str, str]:
         if f"reward_{name}" in metrics:
             label, factor = DISPLAY_UNITS.get(name, (name, 1.0))
             shown[label] = f"{float(metrics[f'reward_{name}']) * factor:.4g}"
+    urls = [key[len("reward_"):] for key in metrics if key.startswith("reward_")
+            and (match := _URL_NAME.fullmatch(key[len("reward_"):])) and match["family"] in _URL_REGISTRY]
+    for name in urls:  # URL rewards (remote, remote.hps, vlm_judge): their totals, not their parts (name_key)
+        if not any(name.startswith(f"{other}_") for other in urls if other != name):
+            shown[name] = f"{float(metrics[f'reward_{name}']):.4g}"
     return shown
 
 
@@ -79,16 +109,46 @@ def display_values(metrics: dict[str, float]) -> dict[str, str]:
 _ARCH_FLAGS: dict[str, str] = {"hpsv2": "hps_model", "clipscore": "clip_model", "aesthetic": "aesthetic_clip_model"}
 
 
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """Parse ``"name[:weight],name[:weight],..."`` (weight defaults to 1.0) into [(name, weight)]."""
-    valid = ", ".join(REWARD_NAMES)
+@dataclass(frozen=True)
+class RewardItem:
+    """One reward of a spec: ``name`` (its component, as logged), registry ``family``, ``weight``, and the server
+    ``url`` of a URL reward (None for the others)."""
+
+    name: str
+    family: str
+    weight: float
+    url: str | None = None
+
+
+def parse_reward_items(spec: str) -> list[RewardItem]:
+    """Parse ``"name[:weight],..."`` (weight defaults to 1.0; URL rewards: ``FAMILY[.LABEL]:URL[:WEIGHT]``, see the
+    module docstring) into RewardItems; ValueError naming the item and the fix."""
+    from .http import split_urls
+
+    valid = ", ".join((*REWARD_NAMES, *(f"{name}:URL" for name in URL_REWARD_NAMES)))
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty reward spec {spec!r}; use e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                          f"with names from: {valid}")
-    parsed: list[tuple[str, float]] = []
+    parsed: list[RewardItem] = []
     for item in spec.split(","):
         name, sep, weight_text = (part.strip() for part in item.partition(":"))
-        if name not in _REGISTRY:
+        url_name = _URL_NAME.fullmatch(name)
+        family, url = name, None
+        if url_name and url_name["family"] in _URL_REGISTRY:
+            family = url_name["family"]
+            grammar = f"{family}[.LABEL]:http://HOST:PORT[:WEIGHT] (a weight only after an explicit port or path)"
+            if not weight_text:
+                raise ValueError(f"reward {name!r} in spec {spec!r} needs its server's URL: {grammar}")
+            url, weight_text = _split_url_weight(weight_text)
+            sep = ":" if weight_text is not None else ""
+            try:
+                split_urls(url, what=f"reward {name!r}")
+            except ValueError as err:
+                raise ValueError(f"{err}, in spec {spec!r}; write {grammar}") from None
+        elif name.split(".")[0] in _URL_REGISTRY:
+            raise ValueError(f"reward {name!r} in spec {spec!r}: a label is letters, digits and _ "
+                             f"({name.split('.')[0]}.LABEL:URL)")
+        elif name not in _REGISTRY:
             raise ValueError(f"unknown reward {name!r} in spec {spec!r}; valid names: {valid}")
         weight = 1.0
         if sep:
@@ -99,10 +159,50 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                                  f"write name:weight with a number, e.g. {name}:1.0 (valid names: {valid})") from None
             if not math.isfinite(weight):
                 raise ValueError(f"weight of reward {name!r} must be finite, got {weight_text!r} in spec {spec!r}")
-        if name in (n for n, _ in parsed):
-            raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once")
-        parsed.append((name, weight))
+        if name in (r.name for r in parsed):
+            label = f" (two servers of one family need labels: {family}.a:URL,{family}.b:URL)" if url else ""
+            raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once{label}")
+        parsed.append(RewardItem(name, family, weight, url))
     return parsed
+
+
+def _split_url_weight(text: str) -> tuple[str, str | None]:
+    """``URL[:WEIGHT]`` -> (URL, weight text or None): a last ``:W`` is the weight only when W is a number and the
+    URL before it has an explicit port or path (``http://h:8000:0.5``, ``http://h/:2``); ``http://h:8000`` is a URL."""
+    import urllib.parse
+
+    head, sep, tail = text.rpartition(":")
+    try:
+        float(tail)
+        last = urllib.parse.urlsplit(head.split("|")[-1].strip())
+        explicit = last.port is not None or bool(last.path)
+    except ValueError:  # no number after the last colon, or no valid URL before it
+        return text, None
+    return (head.strip(), tail) if sep and last.hostname and explicit else (text, None)
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """Parse ``"name[:weight],name[:weight],..."`` (weight defaults to 1.0) into [(name, weight)] (URL rewards:
+    ``parse_reward_items``)."""
+    return [(r.name, r.weight) for r in parse_reward_items(spec)]
+
+
+def check_reward_options(*, reward_timeout_s: float = 120.0, reward_retries: int = 2, remote_batch_size: int = 0,
+                         remote_max_concurrency: int = 4, judge_score: str = "yes_no", judge_max_score: float = 10.0,
+                         judge_max_concurrency: int = 8, **_: object) -> None:
+    """ValueError naming the flag of an out-of-range option of the URL rewards (keyword names = the flags)."""
+    checks = ((reward_timeout_s > 0, f"--reward_timeout_s must be > 0 seconds, got {reward_timeout_s}"),
+              (reward_retries >= 0, f"--reward_retries must be >= 0, got {reward_retries}"),
+              (remote_batch_size >= 0, f"--remote_batch_size must be >= 0 (0 = a reward call's images in one "
+                                       f"request), got {remote_batch_size}"),
+              (remote_max_concurrency >= 1, f"--remote_max_concurrency must be >= 1, got {remote_max_concurrency}"),
+              (judge_score in JUDGE_SCORES, f"--judge_score must be one of {', '.join(JUDGE_SCORES)}, got "
+                                            f"{judge_score!r}"),
+              (judge_max_score > 0, f"--judge_max_score must be > 0, got {judge_max_score}"),
+              (judge_max_concurrency >= 1, f"--judge_max_concurrency must be >= 1, got {judge_max_concurrency}"))
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def parse_eval_reward_spec(spec: str | None, reward: str | None) -> list[tuple[str, float]]:
@@ -129,24 +229,42 @@ def check_reward_paths(spec: str, **paths: str | None) -> None:
     reward of ``spec`` requires and that is missing; loads nothing."""
     from ._common import looks_like_path, require_path
 
-    for name, _ in parse_reward_spec(spec):
+    for item in parse_reward_items(spec):
+        name = item.name
         for key, kind, what in _REQUIRED_PATHS.get(name, ()):
             require_path(paths.get(key), f"--{key}", name, what, kind=kind)
         arch = _ARCH_FLAGS.get(name)
         if arch and paths.get(arch) and looks_like_path(str(paths[arch])):
             require_path(paths[arch], f"--{arch}", name, "an open_clip model-config JSON")
+        if item.family == "vlm_judge" and paths.get("judge_template"):
+            require_path(paths["judge_template"], "--judge_template", name, "a text file with {prompt} in it")
 
 
-def check_reward_prompts(spec: str, prompts: Sequence[str], source: str) -> None:
+def check_reward_prompts(spec: str, prompts: Sequence[str], source: str, *, judge_score: str = "yes_no") -> None:
     """Raise ValueError (naming ``source``, e.g. the manifest's flag) if a reward of ``spec`` cannot score some of
-    ``prompts`` (the toyworld reward reads only its grammar), so a run fails before loading models, not at step 1."""
-    for name, _ in parse_reward_spec(spec):
-        if name in _PROMPT_CHECKS:
-            module, function = _PROMPT_CHECKS[name]
-            try:
+    ``prompts`` (the toyworld reward reads only its grammar; a ``vlm_judge`` with --judge_score ocr needs quoted text),
+    so a run fails before loading models, not at step 1."""
+    for item in parse_reward_items(spec):
+        try:
+            if item.family in _PROMPT_CHECKS:
+                module, function = _PROMPT_CHECKS[item.family]
                 getattr(importlib.import_module(module), function)(prompts)
-            except ValueError as err:
-                raise ValueError(f"{source}: {err}") from None
+            elif item.family == "vlm_judge":
+                from .vlm_judge import check_prompts
+
+                check_prompts(prompts, judge_score)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+
+def reward_identity(spec: str) -> str:
+    """``spec`` as a checkpoint's fingerprint records it: a URL reward's server address left out (``remote:<url>``,
+    weights and labels kept), so a run resumes when its reward servers moved (a requeued job's new nodes) but not when
+    the rewards or their weights changed. A spec without URL rewards is returned unchanged."""
+    items = parse_reward_items(spec)
+    if all(item.url is None for item in items):
+        return spec
+    return ",".join(f"{item.name}:{'<url>:' if item.url is not None else ''}{item.weight:g}" for item in items)
 
 
 @dataclass
@@ -156,6 +274,9 @@ class RewardFn:
     components: list[tuple[str, float, Scorer]]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     batch_size: int = 0  # images per scorer call (0 = the whole batch at once); bounds a large reward model's memory
+    # a non-finite score: "error" raises ValueError naming the reward and prompt here; "keep" returns it for the caller
+    # to handle (the trainers' --nonfinite_reward drop: Run.gather_rewards drops the sample on every rank alike)
+    nonfinite: str = "error"
 
     @property
     def names(self) -> list[str]:
@@ -190,7 +311,8 @@ class RewardFn:
                     entries = {name: result}
                 for key, value in entries.items():
                     value = value.detach().to("cpu", torch.float32).reshape(-1)
-                    _check_finite(key, value, images, prompts)
+                    if self.nonfinite == "error":
+                        _check_finite(key, value, images, prompts)
                     out[key] = value
                 total = total + weight * out[name]
         return {"total": total, **out}
@@ -225,27 +347,50 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  pickscore_model: str | None = None, pickscore_processor: str | None = None,
                  clip_checkpoint: str | None = None, clip_model: str = "ViT-H-14",
                  aesthetic_checkpoint: str | None = None, aesthetic_clip_checkpoint: str | None = None,
-                 aesthetic_clip_model: str = "ViT-L-14-quickgelu", batch_size: int = 0) -> RewardFn:
-    """Build the weighted reward of ``spec``; every path is validated before any model is loaded.
+                 aesthetic_clip_model: str = "ViT-L-14-quickgelu", batch_size: int = 0,
+                 reward_timeout_s: float = 120.0, reward_retries: int = 2, remote_batch_size: int = 0,
+                 remote_max_concurrency: int = 4, judge_model: str | None = None, judge_template: str | None = None,
+                 judge_score: str = "yes_no", judge_max_score: float = 10.0, judge_max_concurrency: int = 8
+                 ) -> RewardFn:
+    """Build the weighted reward of ``spec``; every path and option is validated before any model is loaded (a URL
+    reward asks its server's /health as it is built: RewardServerError naming the URL when it does not answer).
 
     Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON).
     """
-    components = parse_reward_spec(spec)
+    items = parse_reward_items(spec)
     if batch_size < 0:
         raise ValueError(f"--reward_batch_size must be >= 0 (0 = the whole batch in one call), got {batch_size}")
+    url_options = dict(reward_timeout_s=reward_timeout_s, reward_retries=reward_retries,
+                       remote_batch_size=remote_batch_size, remote_max_concurrency=remote_max_concurrency,
+                       judge_model=judge_model, judge_template=judge_template, judge_score=judge_score,
+                       judge_max_score=judge_max_score, judge_max_concurrency=judge_max_concurrency)
+    check_reward_options(**url_options)
     device = torch.device(device)
     paths = dict(hps_checkpoint=hps_checkpoint, hps_model=hps_model,
                  pickscore_model=pickscore_model, pickscore_processor=pickscore_processor,
                  clip_checkpoint=clip_checkpoint, clip_model=clip_model,
                  aesthetic_checkpoint=aesthetic_checkpoint, aesthetic_clip_checkpoint=aesthetic_clip_checkpoint,
                  aesthetic_clip_model=aesthetic_clip_model)
-    check_reward_paths(spec, **paths)  # fail fast, before loading anything heavy
+    check_reward_paths(spec, judge_template=judge_template, **paths)  # fail fast, before loading anything heavy
     built: list[tuple[str, float, Scorer]] = []
-    for name, weight in components:
-        module_name, factory = _REGISTRY[name]
-        built.append((name, weight, getattr(importlib.import_module(module_name), factory)(device, **paths)))
+    for item in items:
+        if item.url is None:
+            module_name, factory = _REGISTRY[item.family]
+            scorer = getattr(importlib.import_module(module_name), factory)(device, **paths)
+        else:
+            module_name, factory, option_names = _URL_REGISTRY[item.family]
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as err:
+                if err.name != module_name:
+                    raise
+                raise ValueError(f"reward {item.name!r} needs {module_name}, which this installation lacks; update "
+                                 "the fastvideo package") from None
+            scorer = getattr(module, factory)(item.url, device, **{k: url_options[k] for k in option_names})
+        built.append((item.name, item.weight, scorer))
     return RewardFn(built, device, batch_size)
 
 
-__all__ = ["REWARD_NAMES", "RewardFn", "Scorer", "build_reward", "check_reward_paths", "parse_eval_reward_spec",
-           "parse_reward_spec"]
+__all__ = ["JUDGE_SCORES", "REWARD_NAMES", "URL_REWARD_NAMES", "RewardFn", "RewardItem", "Scorer", "build_reward",
+           "check_reward_options", "check_reward_paths", "parse_eval_reward_spec", "parse_reward_items",
+           "parse_reward_spec", "reward_identity"]

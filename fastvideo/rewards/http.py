@@ -3,18 +3,21 @@
 Standard library only (``urllib``), so a trainer needs no serving package. Every call has a per-attempt timeout and a
 bounded number of retries with exponential backoff; whatever goes wrong ends in a ``RewardServerError`` naming the URL
 and what happened (refused connection, timeout, HTTP status with the server's own message, a reply that is not JSON),
-never a hang: one call takes at most ``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds.
-Proxies from the environment are not used: reward servers sit on the cluster's own network.
+never a hang: one call takes at most ``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds (the
+timeout bounds the connection and each wait for bytes of the reply). Proxies from the environment are not used: reward
+servers sit on the cluster's own network.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, Sequence
 
 TOKEN_ENV = "FASTVIDEO_REWARD_TOKEN"  # the bearer token: read by the server (default of --token) and by every client
 RETRY_STATUSES = (429, 502, 503, 504)  # busy / restarting / behind a proxy that lost it: worth another try
@@ -22,12 +25,38 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class RewardServerError(RuntimeError):
-    """A reward server could not score: the message names the URL, what happened and what to check."""
+    """A reward server could not score: the message names the URL, what happened and what to check.
+
+    ``status`` is the HTTP status of a refusal (None when no usable reply came); ``transient`` is True when every try
+    failed to get a reply (refused connection, timeout, 429/502/503/504): another replica of the server may do better.
+    """
+
+    def __init__(self, message: str, *, url: str = "", status: int | None = None, transient: bool = False) -> None:
+        super().__init__(message)
+        self.url, self.status, self.transient = url, status, transient
 
 
 def token_from_env() -> str | None:
     """The bearer token of ``FASTVIDEO_REWARD_TOKEN`` (None when unset or empty)."""
     return os.environ.get(TOKEN_ENV) or None
+
+
+def split_urls(text: str, what: str = "reward server") -> list[str]:
+    """The base URLs of ``URL|URL|...`` (replicas of one server), each ``http(s)://HOST[:PORT][/PATH]`` without a
+    trailing slash; ValueError saying what is malformed."""
+    urls = [u.strip().rstrip("/") for u in text.split("|")]
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0..65535
+        except ValueError as err:
+            raise ValueError(f"{what} URL {url!r} is malformed ({err}); write http://HOST:PORT") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{what} URL {url!r} is malformed: write http://HOST:PORT (or https://...), several "
+                             "replicas as http://A:PORT|http://B:PORT")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{what} URL {url!r}: drop the ?query / #fragment (give the server's base URL)")
+    return urls
 
 
 def request(url: str, *, body: bytes | None = None, content_type: str = "application/json",
@@ -57,7 +86,10 @@ def request(url: str, *, body: bytes | None = None, content_type: str = "applica
                 last = f"HTTP {err.code}: {detail}"
                 continue
             raise RewardServerError(f"{what} {url} refused the request: HTTP {err.code}: {detail}"
-                                    f"{_hint(err.code)}") from None
+                                    f"{_hint(err.code)}", url=url, status=err.code) from None
+        except http.client.HTTPException as err:  # not HTTP at all (BadStatusLine), or a reply cut short
+            last = f"a broken HTTP reply ({type(err).__name__}: {err})"
+            continue
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as err:
             reason = getattr(err, "reason", err)
             last = (f"no reply within {timeout_s:g} s" if isinstance(reason, (socket.timeout, TimeoutError))
@@ -68,10 +100,27 @@ def request(url: str, *, body: bytes | None = None, content_type: str = "applica
         except ValueError:
             raise RewardServerError(f"{what} {url} answered with something that is not JSON ({len(raw)} bytes, "
                                     f"starting {raw[:120]!r}); is the URL a fastvideo reward server / an "
-                                    "OpenAI-compatible endpoint?") from None
+                                    "OpenAI-compatible endpoint?", url=url) from None
     raise RewardServerError(f"{what} {url} failed {retries + 1} time(s), last: {last}; check that the server is "
                             f"running and reachable from this node (GET its /health), or raise --reward_timeout_s / "
-                            f"--reward_retries")
+                            f"--reward_retries", url=url, transient=True)
+
+
+def request_replicas(urls: Sequence[str], first: int, path: str = "", **kwargs: Any) -> tuple[Any, str]:
+    """``request(url + path, **kwargs)`` to replica ``first`` of ``urls`` and, while a replica gives no reply (a
+    transient failure), to each next one in turn: the parsed reply and the URL that gave it. A refusal (HTTP 4xx/5xx
+    other than 429/502/503/504) is raised at once; ``RewardServerError`` listing every failure when none replied."""
+    failures: list[str] = []
+    for k in range(len(urls)):
+        url = urls[(first + k) % len(urls)]
+        try:
+            return request(f"{url}{path}", **kwargs), url
+        except RewardServerError as err:
+            if not err.transient or len(urls) == 1:
+                raise
+            failures.append(str(err))
+    raise RewardServerError(f"every replica of {'|'.join(urls)} failed: " + "; ".join(failures), url=urls[0],
+                            transient=True)
 
 
 def wait_healthy(urls: list[str], timeout_s: float = 600.0, poll_s: float = 2.0) -> None:
@@ -125,7 +174,8 @@ def _hint(status: int) -> str:
     return ""
 
 
-__all__ = ["RETRY_STATUSES", "RewardServerError", "TOKEN_ENV", "request", "token_from_env", "wait_healthy"]
+__all__ = ["RETRY_STATUSES", "RewardServerError", "TOKEN_ENV", "request", "split_urls", "token_from_env",
+           "wait_healthy"]
 
 
 def main(argv: list[str] | None = None) -> None:

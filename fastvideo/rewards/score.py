@@ -146,6 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     from fastvideo.distributed import pick_device_type
     from fastvideo.rewards import build_reward, parse_reward_spec
+    from fastvideo.rewards.http import RewardServerError
 
     try:
         args = parse_args(argv)
@@ -160,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RewardServerError as err:  # a remote:URL / vlm_judge:URL server that does not answer: one line, not a trace
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
     rows = score_images(reward_fn, items, args.batch_size, device)
     seconds = time.perf_counter() - t0
