@@ -58,19 +58,21 @@ def train(args: argparse.Namespace) -> None:
 
     for step in range(start_step + 1, args.max_train_steps + 1):
         samples = sampler.next()
-        t_sample = t_decode = t_reward = 0.0
+        t_sample = t_decode = 0.0
+        reward_times = {"time_reward": 0.0, "time_reward_busy": 0.0}  # offline: nothing is scored
         images, metrics = None, {}
         if online:
             # ---- 1. sample with the current policy (no grad), batched -------------------------------
             batch = training.batch_to(dataset.get_batch(samples.prompt_ids), device)
             policy.model.eval()
+            pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: each micro-batch scored as decoded
             traj = rollout(policy.model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                           device=device, autocast_dtype=amp_dtype)
+                           device=device, autocast_dtype=amp_dtype, on_decoded=pending)
             policy.model.train()
             images, t_sample, t_decode = traj.images, traj.timings["sample"], traj.timings["decode"]
 
             # ---- 2. score, gathered over ranks (a prompt group may span ranks): name -> (P*G,) ------
-            all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
+            all_rewards, reward_times = run.score_rollout(traj, batch["prompts"], pending)
             all_latents = D.gather_samples(traj.clean_latents.cpu())  # (P*G, L, C)
 
             # ---- 3. pair: best vs worst of each group; this rank's share of the kept pairs ----------
@@ -110,11 +112,11 @@ def train(args: argparse.Namespace) -> None:
         local = host["items"] if upd.losses else torch.zeros(0, 4)  # (m*K, 4) err_w err_l ref_w,l: one copy
         table = D.gather_samples(torch.cat([local, upd.item_weights[:, None].cpu()], dim=1))
         table = table[table[:, 4] > 0]  # the real pairs' items (padding has weight 0)
-        step_time = t_sample + t_decode + t_reward + t_train
+        step_time = t_sample + t_decode + reward_times["time_reward"] + t_train
         metrics.update({
             **dpo_pair_metrics(*table[:, :4].unbind(dim=1), args.beta_dpo),  # NaN if every pair was skipped
             "trained_pairs": len(table) // args.timesteps_per_pair, "grad_norm": upd.grad_norm,
-            "time_rollout": t_sample, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
+            "time_rollout": t_sample, "time_decode": t_decode, **reward_times, "time_train": t_train,
             "time_step": step_time,
             "samples_per_s": run.counts.get("samples_per_step", 2 * args.prompts_per_step) / step_time,
         })

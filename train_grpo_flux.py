@@ -46,16 +46,18 @@ def train(args: argparse.Namespace) -> None:
         samples = sampler.next()
         batch = training.batch_to(dataset.get_batch(samples.prompt_ids), device)
 
-        # ---- 1. rollout with the current (= old) policy, no grad ---------------------------------
+        # ---- 1. rollout with the current (= old) policy, no grad (--reward_overlap: scored as decoded) ----
         t0 = time.perf_counter()
         policy.model.eval()
+        pending = run.pending_rewards(batch["prompts"])
         traj = rollout(policy.model, vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                       device=device, autocast_dtype=amp_dtype, keep_means=args.policy_loss != "clip")
+                       device=device, autocast_dtype=amp_dtype, keep_means=args.policy_loss != "clip",
+                       on_decoded=pending)
         policy.model.train()
         t_rollout = time.perf_counter() - t0
 
         # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) -----------------------------
-        all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
+        all_rewards, reward_times = run.score_rollout(traj, batch["prompts"], pending)
 
         # ---- 3. group advantages on the global batch; keep this rank's slice ---------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
@@ -76,23 +78,28 @@ def train(args: argparse.Namespace) -> None:
         first_metrics, ratio_warning = first_update_check(first_ratios, args.clip_range)  # on-policy check
         for name in ("loss", "clipfrac", *LOSS_METRICS[args.policy_loss]):  # no update (all samples dropped): 0
             host.setdefault(name, torch.zeros(upd.timesteps.shape[1]))
-        step_time = t_rollout + t_reward + t_train
+        weights = torch.tensor(upd.counts or [1] * len(host["clipfrac"]), dtype=torch.float32)
+
+        def sample_mean(values: torch.Tensor) -> torch.Tensor:  # weighted micro-batches: over their real samples
+            weighted = args.drop_zero_advantage or args.shuffle_micro_batches
+            return training.weighted_rank_mean(values, weights) if weighted else rank_mean(values)
+        step_time = t_rollout + reward_times["time_reward"] + t_train
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
             **training.reward_metrics(all_rewards),
             "adv_mean": adv_all.mean(), "adv_std": adv_all.std(unbiased=False), "adv_abs_max": adv_all.abs().max(),
             "loss": rank_mean(host["loss"]), "kl": rank_mean(host["kl"]) if upd.kls else 0.0,
-            "clipfrac": rank_mean(host["clipfrac"]),
+            "clipfrac": sample_mean(host["clipfrac"]),
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
             "ratio_max": ratio_all.max(), **first_metrics,
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
-            **{k: rank_mean(host[k]) for k in LOSS_METRICS[args.policy_loss]}, **({"kept_frac": upd.kept_frac}
+            **{k: sample_mean(host[k]) for k in LOSS_METRICS[args.policy_loss]}, **({"kept_frac": upd.kept_frac}
                                                               if args.drop_zero_advantage else {}),
             "grad_norm": sum(upd.grad_norms) / max(len(upd.grad_norms), 1),
             "trained_timesteps": upd.timesteps.shape[1],
             **({"window_start": window_position(rollout_cfg, step)} if args.sde_window_schedule != "random" else {}),
             "time_rollout": traj.timings.get("sample", t_rollout), "time_decode": traj.timings.get("decode", 0.0),
-            "time_reward": t_reward, "time_train": t_train, "time_step": step_time,
+            **reward_times, "time_train": t_train, "time_step": step_time,
             "samples_per_s": counts["samples_per_step"] / step_time,
         }
         if dist.is_main and ratio_warning and not warned_ratio:
@@ -125,6 +132,7 @@ class Update:
     losses: list[torch.Tensor] = field(default_factory=list)
     kls: list[torch.Tensor] = field(default_factory=list)
     clipfracs: list[torch.Tensor] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # real samples of each (micro-batch, timestep) entry
     real: list[torch.Tensor] = field(default_factory=list)
     first: list[torch.Tensor] = field(default_factory=list)
     extra: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -167,16 +175,18 @@ def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | 
 
 
 def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tensor, log_prob: torch.Tensor,
-                mean: torch.Tensor, std: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                mean: torch.Tensor, std: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict]:
     """--policy_loss of one replayed step: clip (``grpo_loss``), guard (``grpo_guard_loss``: the rollout's mean and
-    sqrt(-dt) too) or dppo (``flow_dppo_loss``)."""
+    sqrt(-dt) too) or dppo (``flow_dppo_loss``); ``valid``: the real rows of a padded micro-batch (its metrics')."""
     old_log_prob = traj.log_probs[idx, j]
     if args.policy_loss == "clip":
-        return grpo_loss(log_prob, old_log_prob, adv, args.clip_range)
+        return grpo_loss(log_prob, old_log_prob, adv, args.clip_range, valid)
     old_mean = traj.means[idx, j]
     if args.policy_loss == "guard":
-        return grpo_guard_loss(log_prob, old_log_prob, adv, mean, old_mean, std, traj.sqrt_neg_dt(j), args.clip_range)
-    return flow_dppo_loss(log_prob, old_log_prob, adv, mean, old_mean, std, args.dppo_threshold)
+        return grpo_guard_loss(log_prob, old_log_prob, adv, mean, old_mean, std, traj.sqrt_neg_dt(j), args.clip_range,
+                               valid)
+    return flow_dppo_loss(log_prob, old_log_prob, adv, mean, old_mean, std, args.dppo_threshold, valid)
 
 
 def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, step: int,
@@ -206,11 +216,12 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
             if weights is not None:  # the losses are linear in A >= 0 scalings: mean(w b A ...) = sum(w A ...)
                 adv_mb = adv_mb * weights * len(idx_cpu)
             real = torch.ones(len(idx_cpu), dtype=torch.bool) if weights_cpu is None else weights_cpu > 0
+            valid = None if weights is None else weights > 0  # a padded micro-batch: its metrics count real rows
             for k in range(num_trained):
                 j = timesteps_dev[idx, k]
                 log_prob, mean, std = replay_log_prob(policy.model, traj, idx, j, batch, rollout_cfg, geometry,
                                                       autocast_dtype=amp_dtype)
-                loss, m = policy_loss(args, traj, idx, j, log_prob, mean, std, adv_mb)
+                loss, m = policy_loss(args, traj, idx, j, log_prob, mean, std, adv_mb, valid)
                 if args.kl_beta > 0:
                     with torch.no_grad(), policy.reference() as ref_model:
                         _, ref_mean, _ = replay_log_prob(ref_model, traj, idx, j, batch, rollout_cfg, geometry,
@@ -226,6 +237,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                 out.losses.append(loss.detach())
                 out.clipfracs.append(m["clipfrac"])
                 out.real.append(real)
+                out.counts.append(int(real.sum()))
                 out.first.append(torch.full((len(idx_cpu),), opt_index == 0))  # before the first optimizer step
                 for name in LOSS_METRICS[args.policy_loss]:
                     out.extra.setdefault(name, []).append(m[name])

@@ -57,13 +57,14 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 1. rollout with the old policy (AWM on-policy: theta): deterministic, no grad; keep x0 ----------
         policy.model.eval()
+        pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: each micro-batch scored as decoded
         with (old.active() if samples_with_old else contextlib.nullcontext(policy.model)) as sampling_model:
             traj = rollout(sampling_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                           device=device, autocast_dtype=amp_dtype, keep_latents=False)
+                           device=device, autocast_dtype=amp_dtype, keep_latents=False, on_decoded=pending)
         policy.model.train()
 
         # ---- 2. reward (batched), gathered over ranks: name -> (P*G,) ---------------------------------
-        all_rewards, t_reward = run.score_rollout(traj, batch["prompts"])
+        all_rewards, reward_times = run.score_rollout(traj, batch["prompts"], pending)
 
         # ---- 3. group advantages on the global batch (NFT: -> optimality r in its loss) --------------------
         adv_all, adv_metrics, advantages = run.advantages(all_rewards["total"], samples, traj.prompt_ids)
@@ -83,7 +84,7 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 6. metrics, samples, checkpoint ------------------------------------------------------------
         t_rollout, t_decode = traj.timings["sample"], traj.timings["decode"]
-        step_time = t_rollout + t_decode + t_reward + t_train
+        step_time = t_rollout + t_decode + reward_times["time_reward"] + t_train
         host = training.to_host(upd.logs)  # one device->host copy for the step's metrics
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
@@ -92,7 +93,7 @@ def train(args: argparse.Namespace) -> None:
             **optimality_metrics(args, adv_all),
             **({"old_decay": old_decay, "old_updates": old.num_updates} if old is not None else {}),
             "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms), "trained_timesteps": upd.timesteps.shape[1],
-            "time_rollout": t_rollout, "time_decode": t_decode, "time_reward": t_reward, "time_train": t_train,
+            "time_rollout": t_rollout, "time_decode": t_decode, **reward_times, "time_train": t_train,
             "time_step": step_time, "samples_per_s": counts["samples_per_step"] / step_time,
         }
         trace = {"loss": host["loss"].view(-1, upd.timesteps.shape[1]), "timesteps": upd.timesteps}

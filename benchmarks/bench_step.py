@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                     # bench preset, 2 ranks on this CPU, fp32 and bf16 autocast
     python benchmarks/bench_step.py --smoke             # tiny preset, a minute: what CI runs
     python benchmarks/bench_step.py --model flux-dev-shape --num_layers 2 --device cuda --nproc 8   # real widths
+    python benchmarks/bench_step.py --loops ours --reward_delay_ms 50 --rollout_batch_size 2   # --reward_overlap
 
 One torchrun of this file (``--worker``) runs, per dtype, both loops on the same model, data and settings, one after
 the other, each from the same initial weights and seed:
@@ -29,6 +30,14 @@ this run.
 weights are seeded random values made in memory (no weight files; see ``random_weights``), so accelerator runs see
 the real kernel sizes. ``--check`` (on with ``--smoke``) also gathers the first update's gradients of both loops,
 with the reference fed ours' trajectory, and reports their difference (the comparison is fair only if they agree).
+
+``--reward_delay_ms D`` measures scoring overlapped with sampling: the reward becomes a real reward server
+(``python -m fastvideo.rewards.serve --reward REWARD --delay_ms D``, started here, on the CPU) reached as
+``remote:URL`` with one image per request and one request in flight per rank, so a rank's scoring takes about D ms
+per image, as when a busy server's throughput bounds it; the loop **overlap** (ours with --reward_overlap: each
+rollout micro-batch scored while the next samples) then runs after ours (sequential scoring) on the same settings,
+and the summary reports the step-time saving of overlap vs sequential. The rollout needs several micro-batches per
+rank for that (--rollout_batch_size, default then a quarter of a rank's samples).
 """
 from __future__ import annotations
 
@@ -50,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PHASES = ("rollout", "decode", "reward", "train", "communication", "ema", "checkpoint", "other")
-LOOPS = ("reference", "ours")
+LOOPS = ("reference", "ours", "overlap")  # overlap: ours with --reward_overlap (--reward_delay_ms)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 FLUX_DEV_SHAPE = "flux-dev-shape"
 
@@ -250,7 +259,7 @@ def run_loop(loop: str, train_args: argparse.Namespace, device: torch.device, ch
                 if reference and "traj" in check:  # train on ours' samples: the comparison is of the training
                     check["rollout_diff"] = _trajectory_diff(traj, check["traj"])
                     traj = check["traj"]
-                elif not reference:
+                elif loop == "ours":
                     check["traj"] = traj
             return traj
         return wrapper
@@ -313,7 +322,7 @@ def run_loop(loop: str, train_args: argparse.Namespace, device: torch.device, ch
     with contextlib.ExitStack() as stack:
         for owner, name, make in (
                 (train_grpo_flux, "rollout", rollout_wrapper),
-                (training.Run, "score", timed(clock, "reward")),
+                (training.Run, "score_rollout", timed(clock, "reward")),  # both paths' wait for the rewards
                 (train_grpo_flux, "update_policy", timed(clock, "train")),
                 (training.Run, "optimizer_step", optimizer_wrapper),
                 (ckpt.EMA, "update", timed(clock, "ema")),
@@ -342,12 +351,14 @@ def trainer_argv(cfg: dict, loop: str, dtype: str, out: Path) -> list[str]:
     """The train_grpo_flux.py flags of one loop: the same model, data and settings; the loop's batch structure."""
     steps = cfg["warmup"] + cfg["steps"]
     per_rank = cfg["num_generations"] * cfg["prompts_per_step"] // cfg["world_size"]
-    if loop == "ours":
+    if loop in ("ours", "overlap"):
         batch = ["--rollout_batch_size", str(cfg["rollout_batch_size"] or per_rank),
                  "--train_batch_size", str(cfg["train_batch_size"] or per_rank), "--use_ema",
-                 *(["--compile"] if cfg["compile"] else [])]
+                 *(["--compile"] if cfg["compile"] else []), *(["--reward_overlap"] if loop == "overlap" else [])]
     else:
         batch = ["--rollout_batch_size", "1", "--train_batch_size", "1", "--reward_batch_size", "1"]
+    if cfg["reward"].startswith("remote:"):  # --reward_delay_ms: one image per request, one request at a time
+        batch += ["--remote_batch_size", "1", "--remote_max_concurrency", "1"]
     return [
         "--pretrained_model_name_or_path", cfg["model_dir"], "--data_json_path", cfg["manifest"],
         "--output_dir", str(out), "--device", cfg["device"], "--mixed_precision", dtype,
@@ -376,7 +387,9 @@ def worker(cfg_path: str) -> None:
     results: dict[str, dict] = {}
     for name in cfg["dtypes"]:
         check = {} if cfg["check"] else None
-        for loop in ("ours", "reference") if check is not None else cfg["loops"]:
+        order = ["ours", "reference"] + [loop for loop in cfg["loops"] if loop == "overlap"] if check is not None \
+            else cfg["loops"]
+        for loop in order:
             out = Path(cfg["work_dir"]) / f"run-{loop}-{name}"
             args = parse_grpo_args(trainer_argv(cfg, loop, name, out))
             stubs = random_weights(0) if cfg["model"] == FLUX_DEV_SHAPE else contextlib.nullcontext()
@@ -435,6 +448,7 @@ def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int,
                 continue
             ranks = loops[loop]["per_rank"]
             timed_steps = [s for r in ranks for s in r["steps"][cfg["warmup"]:]]  # every rank's timed steps
+            logged = loops[loop]["metrics"][cfg["warmup"]:] or [{}]  # rank 0's metrics of the timed steps
             mean = {p: sum(s[p] for s in timed_steps) / len(timed_steps) for p in (*PHASES, "wall")}
             ckpt = sum(r["checkpoint_s"] for r in ranks) / len(ranks)
             # the save measured in the last timed step, charged at 1/--checkpoint_interval per step instead
@@ -451,10 +465,15 @@ def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int,
                 "peak_memory_gb_per_rank": [r["peak_memory_gb"] for r in ranks],
                 "reward_mean_first_step": loops[loop]["metrics"][0].get("reward_mean") if loops[loop]["metrics"]
                 else None,
+                # the step's wait for its rewards after the rollout, and the reward's own seconds (rank 0's metrics)
+                **{f"{name}_seconds": sum(m.get(f"time_{name}", 0.0) for m in logged) / len(logged)
+                   for name in ("reward", "reward_busy")},
             }
         if "ours" in res and "reference" in res:
             ours_rate, reference_rate = res["ours"]["samples_per_second"], res["reference"]["samples_per_second"]
             res["step_speedup_vs_reference"] = ours_rate / reference_rate
+        if "ours" in res and "overlap" in res:  # --reward_delay_ms: the same step, scored sequentially / overlapped
+            res["overlap_step_saving"] = 1 - res["overlap"]["step_seconds"] / res["ours"]["step_seconds"]
         if "check" in loops:
             res["check"] = loops["check"]
         out["results"][dtype] = res
@@ -462,6 +481,7 @@ def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int,
     head = out["results"][primary]
     ours = head.get("ours", head.get("reference"))
     out.update({"primary_dtype": primary, "step_speedup_vs_reference": head.get("step_speedup_vs_reference"),
+                "overlap_step_saving": head.get("overlap_step_saving"),
                 "images_per_device_second": ours["images_per_device_second"], "mfu_rollout": ours["mfu_rollout"],
                 "mfu_train": ours["mfu_train"], "peak_memory_gb_per_rank": ours["peak_memory_gb_per_rank"],
                 "phase_fractions": {loop: head[loop]["phase_fractions"] for loop in LOOPS if loop in head}})
@@ -487,9 +507,15 @@ def table(summary: dict) -> str:
                 ("images / device-second", lambda r: f"{r['images_per_device_second']:.3f}"),
                 *[(f"  {p} fraction", (lambda p: lambda r: f"{r['phase_fractions'][p]:.3f}")(p)) for p in PHASES],
                 ("mfu_rollout", lambda r: f"{r['mfu_rollout']:.3f}"), ("mfu_train", lambda r: f"{r['mfu_train']:.3f}"),
-                ("peak memory GB / rank", lambda r: f"{max(r['peak_memory_gb_per_rank']):.2f}")]
+                ("peak memory GB / rank", lambda r: f"{max(r['peak_memory_gb_per_rank']):.2f}"),
+                ("reward wait s / step", lambda r: f"{r['reward_seconds']:.3f}"),
+                ("reward busy s / step", lambda r: f"{r['reward_busy_seconds']:.3f}")]
         for label, fmt in rows:
             lines.append(f"  {label:24}" + "".join(f"{fmt(res[loop]):>14}" for loop in loops))
+        if "overlap_step_saving" in res:
+            lines.append(f"  overlap vs sequential scoring ({cfg['reward_delay_ms']:g} ms per image at the reward "
+                         f"server): step {res['ours']['step_seconds']:.3f} -> {res['overlap']['step_seconds']:.3f} s, "
+                         f"overlap_step_saving = {res['overlap_step_saving']:.1%}")
         if "check" in res:
             c = res["check"]
             lines.append(f"  check: first-update gradients ours vs reference, max |diff| = {c['grad_max_abs_diff']:.3g}"
@@ -591,6 +617,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollout_batch_size", type=int, default=0, help="ours: samples per rollout call (0 = all)")
     p.add_argument("--train_batch_size", type=int, default=0, help="ours: samples per replay micro-batch (0 = all)")
     p.add_argument("--reward", default="jpeg_compressibility", help="reward spec (no model files needed)")
+    p.add_argument("--reward_delay_ms", type=float, default=0.0,
+                   help="score through a reward server serving --reward that waits this many ms per request, one "
+                        "image per request (about D ms per image and rank), and add the loop 'overlap' (ours with "
+                        "--reward_overlap) to report the step-time saving of overlapped vs sequential scoring "
+                        "(0 = the reward in-process, no overlap loop)")
     p.add_argument("--checkpoint_interval", type=int, default=20, help="steps per checkpoint (amortises its cost)")
     p.add_argument("--compile", action="store_true", help="ours: torch.compile the transformer blocks (--compile)")
     p.add_argument("--profile", action="store_true", help="also profile one rollout forward (top operators)")
@@ -601,6 +632,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model, args.preset, args.sampling_steps, args.steps, args.check = "preset", "tiny", 3, 1, True
         args.max_sequence_length = min(args.max_sequence_length, 16)
     return args
+
+
+@contextlib.contextmanager
+def reward_server(cfg: dict) -> Iterator[str | None]:
+    """With ``reward_delay_ms``: ``python -m fastvideo.rewards.serve`` serving ``cfg["reward"]`` on the CPU with that
+    ``--delay_ms`` per request, for the run's duration; yields its URL (None without a delay: no server)."""
+    if not cfg["reward_delay_ms"]:
+        yield None
+        return
+    from fastvideo.rewards.serve import launch
+
+    with launch(["--reward", cfg["reward"], "--device", "cpu", "--delay_ms", str(cfg["reward_delay_ms"])]) as server:
+        yield server.url
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -620,14 +664,25 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"unknown --dtypes/--loops entries {bad}; use {sorted(DTYPES)} and {list(LOOPS)}")
     if (args.num_generations * args.prompts_per_step) % args.nproc:
         raise ValueError("--num_generations x --prompts_per_step must divide by --nproc")
+    loops = args.loops.split(",")
+    if args.reward_delay_ms < 0:
+        raise ValueError(f"--reward_delay_ms must be >= 0 (0 = no reward server), got {args.reward_delay_ms}")
+    if args.reward_delay_ms:
+        loops = [loop for loop in loops if loop != "overlap"] + ["ours"] * ("ours" not in loops) + ["overlap"]
+        per_rank = args.num_generations * args.prompts_per_step // args.nproc
+        args.rollout_batch_size = args.rollout_batch_size or max(1, per_rank // 4)
+        if args.rollout_batch_size >= per_rank:
+            raise ValueError(f"--reward_delay_ms compares overlapped with sequential scoring, which needs 2 or more "
+                             f"rollout micro-batches per rank: pass --rollout_batch_size below {per_rank}")
     cfg = {"model": args.model, "num_layers": args.num_layers, "lora_rank": args.lora_rank,
            "preset": args.preset, "device": args.device, "world_size": args.nproc, "dtypes": dtypes,
-           "loops": args.loops.split(","), "steps": args.steps, "warmup": args.warmup,
+           "loops": loops, "steps": args.steps, "warmup": args.warmup,
            "h": args.h or default_h, "w": args.w or default_w, "sampling_steps": args.sampling_steps,
            "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
            "timestep_fraction": args.timestep_fraction, "max_sequence_length": args.max_sequence_length,
            "rollout_batch_size": args.rollout_batch_size, "train_batch_size": args.train_batch_size,
-           "reward": args.reward, "checkpoint_interval": args.checkpoint_interval, "check": args.check,
+           "reward": args.reward, "reward_delay_ms": args.reward_delay_ms,
+           "checkpoint_interval": args.checkpoint_interval, "check": args.check,
            "compile": args.compile}
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp_name:
         tmp = Path(tmp_name)
@@ -638,7 +693,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                             // args.nproc)))}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                str(Path(__file__).resolve()), "--worker", str(tmp / "cfg.json")]
-        proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
+        with reward_server(cfg) as url:  # --reward_delay_ms: --reward behind a server, reached as remote:URL
+            if url is not None:
+                (tmp / "cfg.json").write_text(json.dumps({**cfg, "reward": f"remote:{url}"}))
+            proc = subprocess.run(cmd, env=env, cwd=str(ROOT))
         if not (tmp / "worker.json").is_file():
             raise RuntimeError(f"the benchmark's torchrun failed (exit status {proc.returncode}); see its output above")
         if proc.returncode:  # a crash while tearing down after every result was written

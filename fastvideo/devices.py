@@ -1,9 +1,9 @@
 """The one module that knows device types (cuda, npu, cpu) beyond torch.distributed.
 
-Everything device-specific the trainers do besides collectives goes through here: synchronise, free the cache,
-memory statistics, autocast, accelerator RNG state and the libraries' deterministic switches. The same call serves
-CUDA, Ascend NPU and CPU. ``torch_npu`` (which registers ``torch.npu``, the "npu" device and its autocast) is
-imported only when it is installed, and only when an NPU question is asked.
+Everything device-specific the trainers do besides collectives goes through here: synchronise, side streams and
+events, free the cache, memory statistics, autocast, accelerator RNG state and the libraries' deterministic switches.
+The same call serves CUDA, Ascend NPU and CPU. ``torch_npu`` (which registers ``torch.npu``, the "npu" device and its
+autocast) is imported only when it is installed, and only when an NPU question is asked.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import resource
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -67,6 +67,42 @@ def synchronize(device: torch.device | str) -> None:
     module = device_module(device)
     if module is not None and hasattr(module, "synchronize"):
         module.synchronize(device)
+
+
+def new_stream(device: torch.device | str) -> Any | None:
+    """A new stream of ``device`` (an accelerator's own queue of work, e.g. for a reward scored beside the sampling
+    loop); None on the CPU, whose work runs in the calling thread as it is issued."""
+    module = device_module(device)
+    return module.Stream(device=device) if module is not None else None
+
+
+def record_event(device: torch.device | str) -> Any | None:
+    """An event recorded on ``device``'s current stream: done once the work queued there so far is (no host sync);
+    None on the CPU (work issued there is already done)."""
+    module = device_module(device)
+    if module is None:
+        return None
+    event = module.Event()
+    event.record(module.current_stream(device))
+    return event
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any | None, after: Any | None = None, tensors: tuple[torch.Tensor, ...] = ()
+              ) -> Iterator[None]:
+    """Queue the block's device work on ``stream`` (``new_stream``; its device becomes the thread's current device),
+    behind the event ``after`` (``record_event`` on the stream that made ``tensors``), with ``tensors`` marked as used
+    there, so that the caching allocator does not hand their memory to other work before ``stream`` is done with them.
+    Nothing waits on the host. A null context on the CPU (``stream`` None)."""
+    if stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_event(after)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+    with device_module(stream.device).stream(stream):
+        yield
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

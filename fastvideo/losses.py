@@ -29,11 +29,12 @@ def _d(x: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float,
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clipped GRPO loss ``mean(max(-A*ratio, -A*clamp(ratio, 1±clip_range)))`` with ``ratio = exp(lp - old)``.
 
     All inputs are (B,). Metrics: policy_loss, clipfrac (``|ratio-1| > clip_range``), approx_kl
-    (``½ mean((lp-old)²)``), ratio_mean, ratio_std (population), ratio_min, ratio_max.
+    (``½ mean((lp-old)²)``), ratio_mean, ratio_std (population), ratio_min, ratio_max. ``valid`` (B,) bool: the rows
+    clipfrac and approx_kl average (a padded micro-batch's real samples; None = all).
     """
     if clip_range <= 0:
         raise ValueError(f"clip_range must be > 0, got {clip_range}")
@@ -47,8 +48,8 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
     r = _d(ratio)
     metrics = {
         "policy_loss": _d(loss),
-        "clipfrac": ((r - 1.0).abs() > clip_range).float().mean(),
-        "approx_kl": 0.5 * (_d(lp) - old).pow(2).mean(),
+        "clipfrac": _mean(((r - 1.0).abs() > clip_range).float(), valid),
+        "approx_kl": 0.5 * _mean((_d(lp) - old).pow(2), valid),
         "ratio_mean": r.mean(),
         "ratio_std": r.std(correction=0),
         "ratio_min": r.min(),
@@ -98,9 +99,19 @@ def _ratio_metrics(r: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"ratio_mean": r.mean(), "ratio_std": r.std(correction=0), "ratio_min": r.min(), "ratio_max": r.max()}
 
 
+def _mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mean of the (B,) metric values ``x`` over the ``valid`` rows (all when None; 0 when none is valid): a padded
+    micro-batch's metrics count its real samples only."""
+    if valid is None:
+        return x.mean()
+    v = valid.to(device=x.device, dtype=x.dtype)
+    return (x * v).sum() / v.sum().clamp(min=1.0)
+
+
 def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
                     old_mean: torch.Tensor, std: torch.Tensor | float, sqrt_neg_dt: torch.Tensor | float,
-                    clip_range: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    clip_range: float, valid: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-Guard (arXiv 2510.22319): PPO-clipped GRPO on a re-centred, step-normalised ratio.
 
     Per sample ``i`` (``std_i`` = the std of ``x'`` given ``x`` = ``s·sqrt(-dt)``, i.e. the references'
@@ -132,7 +143,7 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
 
     Metrics: policy_loss (the rescaled loss), clipfrac (``|ρ-1| > clip_range``), ratio_mean/std/min/max (of ρ,
     population std), approx_kl (``½ mean((lp-old)²)`` of the plain log-ratio, comparable with ``grpo_loss``),
-    guard_bias_mean (mean ``b``).
+    guard_bias_mean (mean ``b``); clipfrac, approx_kl and guard_bias_mean average the ``valid`` rows (as grpo_loss).
     """
     if clip_range <= 0:
         raise ValueError(f"clip_range must be > 0 (2e-6 is GRPO-Guard's recommended value), got {clip_range}")
@@ -146,17 +157,17 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     r = _d(ratio)
     metrics = {
         "policy_loss": _d(loss),
-        "clipfrac": ((r - 1.0).abs() > clip_range).float().mean(),
-        "approx_kl": 0.5 * (_d(lp) - old).pow(2).mean(),
+        "clipfrac": _mean(((r - 1.0).abs() > clip_range).float(), valid),
+        "approx_kl": 0.5 * _mean((_d(lp) - old).pow(2), valid),
         **_ratio_metrics(r),
-        "guard_bias_mean": _d(bias).mean(),
+        "guard_bias_mean": _mean(_d(bias), valid),
     }
     return loss, metrics
 
 
 def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
                    old_mean: torch.Tensor, std: torch.Tensor | float, threshold: float = 1e-5,
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-DPPO (arXiv 2606.11025): an asymmetric divergence mask on ``-A·ρ`` instead of ratio clipping.
 
     ``ρ = exp(lp - old)``; ``D_i = mean_dims((mean_i - old_mean_i)²) / (2·std_i²)`` with ``std`` the std of ``x'``
@@ -187,7 +198,8 @@ def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
 
     Metrics: policy_loss, ratio_mean/std/min/max (population std), approx_kl (``½ mean((lp-old)²)``),
     dppo_divergence_mean (mean ``D``), dppo_masked_frac (share of masked samples) and clipfrac (the same value, so a
-    trainer logs one name for every policy loss).
+    trainer logs one name for every policy loss); approx_kl and the dppo metrics average the ``valid`` rows (as
+    grpo_loss).
     """
     if threshold <= 0:
         raise ValueError(f"threshold (Flow-DPPO's divergence bound ε_D) must be > 0 (1e-5 is the reference "
@@ -198,13 +210,13 @@ def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     r = _d(ratio)
     masked = (div >= threshold) & (((adv > 0) & (r > 1.0)) | ((adv < 0) & (r < 1.0)))
     loss = torch.where(masked, torch.zeros((), dtype=torch.float32, device=lp.device), -adv * ratio).mean()
-    masked_frac = masked.float().mean()
+    masked_frac = _mean(masked.float(), valid)
     metrics = {
         "policy_loss": _d(loss),
         "clipfrac": masked_frac.clone(),
-        "approx_kl": 0.5 * (_d(lp) - old).pow(2).mean(),
+        "approx_kl": 0.5 * _mean((_d(lp) - old).pow(2), valid),
         **_ratio_metrics(r),
-        "dppo_divergence_mean": div.mean(),
+        "dppo_divergence_mean": _mean(div, valid),
         "dppo_masked_frac": masked_frac,
     }
     return loss, metrics

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -259,11 +259,14 @@ def guided_velocity(family: Any, transformer: torch.nn.Module, x: torch.Tensor, 
 def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sample_indices: list[int], step: int,
             cfg: RolloutConfig, noise: NoiseSource, geometry: Any, *,
             device: torch.device | str, autocast_dtype: torch.dtype | None = None,
-            keep_latents: bool = True, keep_means: bool = False) -> Trajectory:
+            keep_latents: bool = True, keep_means: bool = False,
+            on_decoded: Callable[[slice, torch.Tensor], None] | None = None) -> Trajectory:
     """Sample ``len(sample_indices)`` trajectories for ``batch`` (EmbeddingDataset.get_batch) with log-probs, then
     decode. ``geometry``: the model family's latent geometry. ``keep_latents=False`` records only the clean latents
     (no (B, S+1, L, C) trajectory buffer); ``keep_means=True`` also records each stochastic step's mean
-    (``Trajectory.means``, (B, S, L, C))."""
+    (``Trajectory.means``, (B, S, L, C)). ``on_decoded(mb, images)`` is called after each micro-batch's decode with
+    its positions in the batch and its images (b, 3, H, W) float32 (--reward_overlap scores them while the next
+    micro-batch samples); it must not block on the device."""
     device = torch.device(device)
     family = models.family_of(transformer)
     ids = batch["prompt_ids"]
@@ -337,6 +340,8 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
         devices.synchronize(device)
         t_sample += t1 - t0
         t_decode += time.perf_counter() - t1
+        if on_decoded is not None:
+            on_decoded(mb, images[-1])
     return Trajectory(
         latents=latents, log_probs=log_probs, sigmas=sigmas_dev, stochastic=stochastic_dev,
         images=torch.cat(images), clean_latents=clean,

@@ -420,12 +420,25 @@ def _json_value(value: Any) -> Any:
     return json.loads(json.dumps(list(value) if isinstance(value, tuple) else value, default=str))
 
 
+def _flag_value(key: str, value: Any) -> Any:
+    """A run-defining flag's value as the fingerprint compares it: ``_json_value``, and --reward without the
+    addresses of its reward servers (``rewards.reward_identity``: servers may move between restarts)."""
+    if key == "reward" and isinstance(value, str):
+        from fastvideo.rewards import reward_identity
+
+        try:
+            value = reward_identity(value)
+        except ValueError:  # a spec this version cannot parse: compared as written
+            pass
+    return _json_value(value)
+
+
 def run_identity(config: dict) -> dict:
     """What a checkpoint's meta.json records of its run: the algorithm, the run-defining flags (``resume_keys``) and
     their fingerprint (SHA-256 of their JSON)."""
     import hashlib
 
-    flags = {k: _json_value(config.get(k)) for k in resume_keys(config)
+    flags = {k: _flag_value(k, config.get(k)) for k in resume_keys(config)
              if not (k in LATER_RESUME_KEYS and _inert(k, config))}
     digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()
     return {"algorithm": config.get("algorithm"), "config_fingerprint": digest, "run_flags": flags}
@@ -459,7 +472,7 @@ def check_resume_config(config: dict, saved: dict | None) -> None:
     if not saved:
         return
     def value(cfg: dict, k: str) -> Any:  # a later flag absent from an older run's record had its earlier value
-        return _json_value(cfg.get(k, LATER_RESUME_KEYS.get(k)))
+        return _flag_value(k, cfg.get(k, LATER_RESUME_KEYS.get(k)))
 
     diffs = {k: (value(saved, k), value(config, k)) for k in resume_keys(config)
              if (k in saved or k in LATER_RESUME_KEYS) and value(saved, k) != value(config, k)
@@ -523,7 +536,10 @@ def export_final(args: argparse.Namespace, policy: Policy) -> Path:
 
 # ------------------------------------------------------------------------------------------------ the run scaffold
 REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscore_processor", "clip_checkpoint",
-                     "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model")
+                     "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model",
+                     # the URL rewards' options (remote:URL, vlm_judge:URL): build_reward's keywords too
+                     "reward_timeout_s", "reward_retries", "remote_batch_size", "remote_max_concurrency", "judge_model",
+                     "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency")
 
 
 def rollout_config(args: argparse.Namespace) -> Any:
@@ -545,6 +561,29 @@ def rollout_config(args: argparse.Namespace) -> Any:
                          solver=getattr(args, "solver", "euler"))
 
 
+class RewardFailed(RuntimeError):
+    """The reward raised on some rank while scoring samples; raised on every rank alike (``Run.gather_rewards``), with
+    the failing rank and its error in the message."""
+
+
+@dataclass
+class PendingRewards:
+    """One rollout's scoring under --reward_overlap (``Run.pending_rewards``): ``rollout`` calls it with each decoded
+    micro-batch (its positions ``mb`` in the rank's batch and its images), and it hands this rank's ``share`` of them
+    with their prompts to the scorer's thread and returns at once; ``Run.score_rollout`` joins the scores."""
+
+    scorer: Any  # rewards.overlap.OverlapScorer
+    prompts: list[str]  # this rank's, in sample order
+    share: slice  # the positions this rank scores (its sequence-parallel group's share; all without --sp_size)
+    mine: int  # how many of the scores it sends (0: an empty share scored one image for the reward's keys)
+
+    def __call__(self, mb: slice, images: torch.Tensor) -> None:
+        """Submit the images of micro-batch ``mb`` that lie in this rank's share."""
+        lo, hi = max(mb.start, self.share.start), min(mb.stop, self.share.stop)
+        if lo < hi:
+            self.scorer.submit(images[lo - mb.start:hi - mb.start], self.prompts[lo:hi])
+
+
 @dataclass
 class Run:
     """Everything a trainer sets up the same way, in the order it must happen (``start_run`` -> ``load_models`` ->
@@ -563,6 +602,7 @@ class Run:
     amp_dtype: torch.dtype | None
     state: dict[str, Any] = field(default_factory=dict)
     reward_fn: Callable | None = None
+    scorer: Any = None  # rewards.overlap.OverlapScorer of --reward's RewardFn with --reward_overlap, else None
     eval_reward_fn: Callable | None = None  # RewardFn of --eval_reward (held-out evaluation only), or None
     policy: Policy | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -606,7 +646,8 @@ class Run:
         guided = getattr(args, "cfg_scale", 1.0) > 1
         dataset = EmbeddingDataset(args.data_json_path).use(family, negative=guided)
         dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
-        check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}")
+        check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}",
+                             judge_score=getattr(args, "judge_score", "yes_no"))
         sp = getattr(args, "sp_size", 1)
         if sp > 1 and dataset.max_sequence_length % sp:  # the evaluation prompts share this length (below)
             from fastvideo.models.flux import text_length_refusal
@@ -629,7 +670,8 @@ class Run:
             self.eval_dataset = EmbeddingDataset(manifest).use(family, negative=guided)
             self.eval_dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
             for spec in filter(None, (args.reward, eval_reward)):
-                check_reward_prompts(spec, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}")
+                check_reward_prompts(spec, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}",
+                                     judge_score=getattr(args, "judge_score", "yes_no"))
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
                 raise ValueError(f"--eval_prompts has {self.eval_dataset.max_sequence_length} text tokens but "
                                  f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
@@ -656,7 +698,7 @@ class Run:
                     old_policy: bool = False, optimizer_steps: int) -> None:
         """Write OUT/config.json (rank 0, after every input check passed), then load the reward (checks its checkpoint
         paths first; also loaded without ``reward`` when --eval_prompts is set; with --eval_prompts also the
-        --eval_reward rewards), policy (+ reference, EMA),
+        --eval_reward rewards; with --reward_overlap its scorer thread), policy (+ reference, EMA),
         optimizer, LR schedule (``optimizer_steps`` long) and VAE (in the compute dtype: bf16 on a GPU/NPU)."""
         from fastvideo.config import save_config
         from fastvideo.logging import current_memory_gb
@@ -670,6 +712,11 @@ class Run:
         paths = {k: getattr(args, k) for k in REWARD_PATH_FLAGS}
         if reward or self.eval_dataset is not None:
             self.reward_fn = build_reward(args.reward, self.device, batch_size=args.reward_batch_size, **paths)
+            self.reward_fn.nonfinite = "keep"  # gather_rewards handles a NaN per --nonfinite_reward, on every rank
+        if reward and args.reward_overlap:
+            from fastvideo.rewards.overlap import OverlapScorer
+
+            self.scorer = OverlapScorer(self.reward_fn, self.device)
         if self.eval_dataset is not None and getattr(args, "eval_reward", None):  # built once, beside --reward's
             self.eval_reward_fn = build_reward(args.eval_reward, self.device, batch_size=args.reward_batch_size,
                                                **paths)
@@ -760,44 +807,99 @@ class Run:
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
-    def score_rollout(self, traj: Any, prompts: list[str]) -> tuple[dict[str, torch.Tensor], float]:
-        """``score`` this rank's rollout (a ``rollout.Trajectory`` of the current step): with --replay_images the
-        recorded images are scored instead of the decoded ones; with --record_dir the images, each sample's rewards
-        (this rank's slice) and the old log-probs are recorded."""
+    def pending_rewards(self, prompts: list[str]) -> PendingRewards | None:
+        """With --reward_overlap, the scoring of the coming rollout (``prompts``: this rank's, in sample order): pass it
+        as ``rollout(..., on_decoded=...)`` and then to ``score_rollout``; None without it, or with --replay_images
+        (the recorded images replace the rollout's after it), for the sequential path."""
+        if self.scorer is None or (self.replay is not None and self.replay.use_images):
+            return None
+        share, mine = self._reward_share(len(prompts))
+        return PendingRewards(self.scorer, list(prompts), share, mine)
+
+    def score_rollout(self, traj: Any, prompts: list[str], pending: PendingRewards | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """``score`` this rank's rollout (a ``rollout.Trajectory`` of the current step), or with ``pending``
+        (``pending_rewards``, fed by the rollout) join the scores computed while it sampled and gather them the same
+        way. With --replay_images the recorded images are scored instead of the decoded ones; with --record_dir the
+        images, each sample's rewards (this rank's slice) and the old log-probs are recorded. Returns the gathered
+        rewards and the step's ``time_reward`` (seconds the step waited for them after the rollout) and
+        ``time_reward_busy`` (seconds the reward computed: equal without --reward_overlap)."""
         prompt_ids, sample_indices = traj.prompt_ids.tolist(), traj.sample_indices.tolist()
         images = traj.images
-        if self.replay is not None and self.replay.use_images:
-            images = self.replay.images(traj.step, prompt_ids, sample_indices, like=images)
-        rewards, seconds = self.score(images, prompts)
+        if pending is None:
+            if self.replay is not None and self.replay.use_images:
+                images = self.replay.images(traj.step, prompt_ids, sample_indices, like=images)
+            rewards, seconds = self.score(images, prompts)
+            times = {"time_reward": seconds, "time_reward_busy": seconds}
+        else:
+            t0 = time.perf_counter()
+            try:
+                (local, busy), error = pending.scorer.join(), None
+            except Exception as err:  # noqa: BLE001  (every rank raises it in gather_rewards)
+                local, busy, error = None, 0.0, err
+            times = {"time_reward": time.perf_counter() - t0, "time_reward_busy": busy}
+            rewards = self.gather_rewards(local, error, pending.prompts[pending.share], pending.mine)
         if self.recorder is not None:
             log_probs = traj.log_probs if bool(traj.stochastic.any()) else None
             self.recorder.add_samples(traj.step, prompt_ids, sample_indices, prompts, images,
                                       {k: self.local(v) for k, v in rewards.items()}, log_probs)
-        return rewards, seconds
+        return rewards, times
 
     def score(self, images: torch.Tensor, prompts: list[str], reward_fn: Callable | None = None
               ) -> tuple[dict[str, torch.Tensor], float]:
         """Reward this rank's images in one batched call of ``reward_fn`` (default: --reward's), all-gathered over
-        ranks: ``name -> (P*G,)`` CPU float32 in global sample order (every component and "total"; a prompt group may
-        span ranks), and the seconds spent.
+        ranks (``gather_rewards``): ``name -> (P*G,)`` CPU float32 in global sample order (every component and
+        "total"; a prompt group may span ranks), and the seconds the call took.
         Under --sp_size the ranks of a sequence-parallel group hold the same images: each scores its consecutive share,
         so every image is scored once and the gather is in sample order."""
-        mine = len(prompts)
+        share, mine = self._reward_share(len(prompts))
         if self.dist.sp_size > 1:
-            share = torch.arange(len(prompts)).tensor_split(self.dist.sp_size)[self.dist.sp_rank]
-            mine = len(share)
-            scored = share if mine else torch.zeros(1, dtype=torch.long)  # an empty share scores one, sends none
-            images, prompts = images[scored.to(images.device)], [prompts[i] for i in scored.tolist()]
+            images, prompts = images[share], prompts[share]
         t0 = time.perf_counter()
-        rewards = (reward_fn or self.reward_fn)(images, prompts)
+        try:
+            local, error = (reward_fn or self.reward_fn)(images, prompts), None
+        except Exception as err:  # noqa: BLE001  (every rank raises it in gather_rewards)
+            local, error = None, err
         seconds = time.perf_counter() - t0
-        stacked = torch.stack([v.float().cpu() for v in rewards.values()], dim=1)[:mine]  # (b, components + total)
+        return self.gather_rewards(local, error, prompts, mine), seconds
+
+    def _reward_share(self, n: int) -> tuple[slice, int]:
+        """Which of this rank's ``n`` samples it scores (its sequence-parallel group's share: consecutive) and how many
+        of those scores it sends; a rank whose share is empty scores one image and sends none (for the reward's
+        keys)."""
+        if self.dist.sp_size == 1:
+            return slice(0, n), n
+        share = torch.arange(n).tensor_split(self.dist.sp_size)[self.dist.sp_rank]
+        return (slice(int(share[0]), int(share[-1]) + 1), len(share)) if len(share) else (slice(0, 1), 0)
+
+    def gather_rewards(self, local: dict[str, torch.Tensor] | None, error: BaseException | None,
+                       prompts: list[str], mine: int) -> dict[str, torch.Tensor]:
+        """The ranks' scores of their samples (``local``: name -> (b,), the first ``mine`` sent; ``prompts`` theirs)
+        all-gathered in sample order, non-finite ones handled per --nonfinite_reward. A collective that first agrees
+        on failure: if the reward raised on any rank (``error``), every rank raises the same ``RewardFailed``
+        instead of leaving the others waiting in the gather."""
+        self._agree_on_reward_failure(error)
+        stacked = torch.stack([v.float().cpu() for v in local.values()], dim=1)[:mine]  # (b, components + total)
         prompts = prompts[:mine]
         gathered = D.all_gather_tensor(stacked)
         bad = ~torch.isfinite(gathered).all(dim=1)  # the same on every rank
         if bad.any():
-            gathered = self._nonfinite_rewards(gathered, bad, list(rewards), prompts)
-        return dict(zip(rewards, gathered.unbind(dim=1))), seconds
+            gathered = self._nonfinite_rewards(gathered, bad, list(local), prompts)
+        return dict(zip(local, gathered.unbind(dim=1)))
+
+    def _agree_on_reward_failure(self, error: BaseException | None) -> None:
+        """Every rank's reward outcome (one object gather); if any failed, ``RewardFailed`` on every rank, naming the
+        first failing rank, its error and the checkpoint to continue from."""
+        failed = [(rank, text) for rank, text in enumerate(
+            D.all_gather_object(None if error is None else f"{type(error).__name__}: {error}"[:2000])) if text]
+        if not failed:
+            return
+        rank, text = failed[0]
+        also = f" (and on rank(s) {', '.join(str(r) for r, _ in failed[1:])})" if len(failed) > 1 else ""
+        latest = ckpt.latest_checkpoint(self.args.output_dir)
+        where = (f"; checkpoint {latest} is intact: fix the reward, then continue with --resume_from latest"
+                 if latest is not None else "")
+        raise RewardFailed(f"the reward failed on rank {rank}{also}: {text}{where}") from error
 
     def _nonfinite_rewards(self, gathered: torch.Tensor, bad: torch.Tensor, names: list[str], prompts: list[str]
                            ) -> torch.Tensor:
@@ -967,6 +1069,8 @@ class Run:
         folder, or the checkpoint after a stop signal."""
         self.bar.close()
         self.logger.close()
+        if self.scorer is not None:
+            self.scorer.close()
         if self.preempted is not None:
             step, signal_name = self.preempted
             path = ckpt.checkpoint_path(self.args.output_dir, step)
@@ -1071,6 +1175,14 @@ def rank_mean(values: torch.Tensor) -> torch.Tensor:
     the same count)."""
     local = values.detach().float().cpu().mean()
     return D.all_reduce_sum(local) / D.get_world_size()
+
+
+def weighted_rank_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum(values * weights) / sum(weights)`` over every rank's entries (e.g. per-micro-batch metric means weighted
+    by their real samples, when ranks pad their micro-batches); 0 when every weight is 0."""
+    local = torch.stack([(values.detach().float().cpu() * weights).sum(), weights.sum()])
+    total = D.all_reduce_sum(local)
+    return total[0] / total[1].clamp(min=1e-12)
 
 
 def to_host(tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, torch.Tensor]:

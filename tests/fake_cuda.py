@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -48,6 +49,7 @@ import inspect
 import json
 import sys
 import textwrap
+import threading
 import time
 import traceback
 import types
@@ -76,7 +78,8 @@ ALLOWED_SYNCS: dict[str, str] = {
     "fastvideo/devices.py:synchronize":
         "twice per rollout micro-batch, after its sampling loop and after its decode: the phase timings",
     "fastvideo/rewards/__init__.py:RewardFn.__call__":
-        "once per reward call: the scores come to the CPU (rewards are gathered and logged as CPU tensors)",
+        "once per reward call: the scores come to the CPU (rewards are gathered and logged as CPU tensors); with "
+        "--reward_overlap once per rollout micro-batch, on the scorer's thread and stream, not the sampling loop's",
     "fastvideo/toyworld/verify.py:_as_batch":
         "once per reward call: the toy-world verifier analyses the pixels on the CPU (numpy)",
     "fastvideo/distributed.py:all_gather_tensor":
@@ -99,7 +102,7 @@ REPLAY_STEP_SYNC_BUDGET = 0
 PLAUSIBLE = {"bool": True, "int": 1, "float": 0.5, "nonzero_rows": 0, "equal": True}
 # Sites ("file:function") whose normal branch needs other answers than ``PLAUSIBLE``, with why.
 ANSWERS: dict[str, dict[str, Any]] = {
-    "fastvideo/training.py:Run.score": {"bool": False},  # "any reward non-finite?": no
+    "fastvideo/training.py:Run.gather_rewards": {"bool": False},  # "any reward non-finite?": no
 }
 
 
@@ -298,6 +301,7 @@ class Recorder(TorchDispatchMode):
         self.findings: Counter[Finding] = Counter()
         self.attention: Counter[AttentionCall] = Counter()
         self.pinned: dict[int, StorageWeakRef] = {}
+        self.scorer_threads: Counter[str] = Counter()  # --reward_overlap's scorer calls, by thread name
         self._quiet = 0
 
     @contextlib.contextmanager
@@ -520,6 +524,7 @@ def cuda_stubs(device_count: int = WORLD_SIZE) -> dict[tuple[Any, str], Any]:
     }
     stubs = {(torch.cuda, k): v for k, v in cuda.items()}
     stubs.update({(torch.accelerator, k): v for k, v in accelerator.items()})
+    stubs[(torch.Tensor, "record_stream")] = lambda self, stream: None  # a StubStream is no torch.Stream
     stubs[(FakeTensorMode, "avoid_device_init")] = property(lambda self: True)
     stubs[(torch.utils, "swap_tensors")] = _swap_tensors(torch.utils.swap_tensors)
     stubs.update(_object_collectives())
@@ -609,6 +614,37 @@ def _attention_wrappers(recorder: Recorder) -> dict[tuple[Any, str], Any]:
     return wrappers
 
 
+def _scorer_thread(fake_mode: FakeTensorMode, recorder: Recorder) -> dict[tuple[Any, str], Any]:
+    """--reward_overlap's scorer under the trace. Its jobs (``OverlapScorer._score``, on its worker thread) enter the
+    trace's fake mode and recorder and are counted by thread name in ``recorder.scorer_threads``: dispatch modes are
+    thread-local, so the worker would otherwise run unrecorded (and fail at its first data-dependent op on a fake
+    tensor). The fake mode is set in the thread's own slot, not through ``FakeTensorMode.__enter__``, whose stack of
+    entries the threads would share. A fake mode is not thread-safe either (its in-kernel flag is one for all threads),
+    so ``submit`` waits for its job: each job still runs on the worker thread with that thread's own state (modes,
+    stream, device), one at a time with the main thread."""
+    from fastvideo.rewards.overlap import OverlapScorer
+
+    score, submit = OverlapScorer._score, OverlapScorer.submit
+
+    def _score_traced(self: OverlapScorer, *args: Any, **kwargs: Any) -> Any:
+        recorder.scorer_threads[threading.current_thread().name] += 1
+        lift = torch._C._only_lift_cpu_tensors()
+        torch._C._set_only_lift_cpu_tensors(True)  # what FakeTensorMode.__enter__ sets (avoid_device_init), per thread
+        torch._C._set_dispatch_mode(fake_mode)
+        try:
+            with recorder:
+                return score(self, *args, **kwargs)
+        finally:
+            torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            torch._C._set_only_lift_cpu_tensors(lift)
+
+    def submit_and_wait(self: OverlapScorer, *args: Any, **kwargs: Any) -> None:
+        submit(self, *args, **kwargs)
+        concurrent.futures.wait(self._pending[-1:])
+
+    return {(OverlapScorer, "_score"): _score_traced, (OverlapScorer, "submit"): submit_and_wait}
+
+
 class AllArrivedStore(dist.Store):
     """The fake process group's key-value store, for one process playing rank 0 of ``world_size``: what a rank adds
     to a counter reads as if every rank had added it (so ``distributed.store_barrier`` passes at once, as it would
@@ -662,13 +698,15 @@ def pretend_cuda(world_size: int = WORLD_SIZE, loops: list[LoopSpec] | None = No
     recorder = Recorder(loops if loops is not None else default_loops())
     saved = _save_state(distributed)
     try:
-        with patched(cuda_stubs(world_size)), patched(_attention_wrappers(recorder)):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with patched(cuda_stubs(world_size)), patched(_attention_wrappers(recorder)), \
+                patched(_scorer_thread(fake_mode, recorder)):
             dist.init_process_group("fake", store=store, rank=0, world_size=world_size)
             _ACTIVE.append(recorder)
             try:
                 distributed._INFO = distributed.DistInfo(rank=0, world_size=world_size, local_rank=0,
                                                          device=torch.device("cuda", 0), backend="nccl")
-                with FakeTensorMode(allow_non_fake_inputs=True), recorder:
+                with fake_mode, recorder:
                     yield recorder
             finally:
                 _ACTIVE.remove(recorder)
@@ -816,6 +854,7 @@ class Trace:
     traj: Any
     batch: dict
     samples: Any
+    pending: Any = None  # training.PendingRewards of the rollout with --reward_overlap
     rewards: dict[str, torch.Tensor] | None = None  # name -> (P*G,) gathered over ranks
     advantages: torch.Tensor | None = None  # (B,) this rank's, on the device
     adv_all: torch.Tensor | None = None  # (P*G,) the gathered advantages
@@ -888,6 +927,10 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
     args = objective.parse(_flags(shared, objective, variant, extra))
     run = build_run(args, objective.validate, **objective.build(args))
     run.vae, run.geometry, run.reward_fn = shared.vae, shared.geometry, shared.reward
+    if args.reward_overlap:  # as Run.load_models starts it
+        from fastvideo.rewards.overlap import OverlapScorer
+
+        run.scorer = OverlapScorer(run.reward_fn, run.device)
     run.backward = _fake_backward(run)
     return run
 
@@ -915,20 +958,21 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     policy = run.policy
     sampler = policy.old.active() if objective.old_policy_samples else contextlib.nullcontext(policy.model)
     policy.model.eval()
+    pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: scored on the scorer's thread as decoded
     with sampler as model:
         traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, training.rollout_config(args),
                                run.noise, run.geometry, device=run.device, autocast_dtype=run.amp_dtype,
                                keep_latents=objective.keep_latents,
-                               keep_means=getattr(args, "policy_loss", "clip") != "clip")
+                               keep_means=getattr(args, "policy_loss", "clip") != "clip", on_decoded=pending)
     policy.model.train()
-    return Trace(rec, run, traj, batch, samples)
+    return Trace(rec, run, traj, batch, samples, pending)
 
 
 def _score(trace: Trace, objective: Objective) -> None:
     """The trainers' reward step: ``Run.score_rollout`` (tiny HPS + toy world on this rank's images, gathered over
     ranks) and, for GRPO / NFT, ``Run.advantages`` (group advantages, this rank's slice on the device)."""
     run = trace.run
-    trace.rewards, _ = run.score_rollout(trace.traj, trace.batch["prompts"])
+    trace.rewards, _ = run.score_rollout(trace.traj, trace.batch["prompts"], trace.pending)
     if objective.group_advantages:
         trace.adv_all, _, trace.advantages = run.advantages(trace.rewards["total"], trace.samples,
                                                             trace.traj.prompt_ids)
@@ -1012,7 +1056,7 @@ def _numpy_stub(recorder: Recorder) -> dict[tuple[Any, str], Any]:
 class Report:
     """What a trace found: each path's outcome ("ok" or the error), findings and attention dtypes with counts, the
     autocast probe, what the checkpoints would write, what ``fastvideo.distributed`` reported (per path), the loops'
-    sync budgets, and the wall time (per phase too)."""
+    sync budgets, the wall time (per phase too), and --reward_overlap's scorer calls by thread name."""
 
     paths: dict[str, str] = field(default_factory=dict)
     findings: list[dict] = field(default_factory=list)
@@ -1023,6 +1067,7 @@ class Report:
     loops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    scorer_threads: dict[str, int] = field(default_factory=dict)
 
     def step(self, recorder: Recorder, name: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """Run one phase of a path under ``name``; an exception is recorded (with its traceback's end), not raised,
@@ -1048,10 +1093,11 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
                   objectives: list[Objective] | None = None, variants: tuple[str, ...] = tuple(VARIANTS),
                   sp_size: int = 2, world_size: int = WORLD_SIZE, size: int = 64,
                   extra_flags: tuple[str, ...] = ()) -> Report:
-    """Trace every objective x variant (build -> rollout + decode -> reward -> update -> checkpoint/export) and an
-    ``sp_size`` GRPO LoRA path (build, then the rollout's sampling forwards and decode) at ``world_size`` in bf16 on
-    pretend CUDA, for the model family of ``model_dir``; images are ``size`` x ``size`` pixels; ``extra_flags`` go on
-    every trainer command line (e.g. ``--cfg_scale 4.5``)."""
+    """Trace every objective x variant (build -> rollout + decode -> reward -> update -> checkpoint/export), GRPO LoRA
+    with --reward_overlap (two rollout micro-batches scored on the scorer's thread, on fake CUDA tensors behind its
+    stream and event) and an ``sp_size`` GRPO LoRA path (build, then the rollout's sampling forwards and decode) at
+    ``world_size`` in bf16 on pretend CUDA, for the model family of ``model_dir``; images are ``size`` x ``size``
+    pixels; ``extra_flags`` go on every trainer command line (e.g. ``--cfg_scale 4.5``)."""
     report, t0 = Report(), time.perf_counter()
     work_dir.mkdir(parents=True, exist_ok=True)
     rows = embedding_rows(model_dir)
@@ -1066,9 +1112,14 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
                 for variant in variants:
                     if objective.variants is None or variant in objective.variants:
                         _trace_path(rec, report, shared, objective, variant)
+            grpo = next(o for o in default_objectives() if o.name == "grpo")
+            if objectives is None or grpo.name in {o.name for o in objectives}:
+                _trace_path(rec, report, shared, grpo, "lora", ("--reward_overlap", "--rollout_batch_size", "1"),
+                            "overlap/grpo/lora")
             if sp_size > 1:
-                grpo = next(o for o in default_objectives() if o.name == "grpo")
-                _trace_path(rec, report, shared, grpo, "lora", ("--sp_size", str(sp_size)), f"sp{sp_size}/grpo/lora")
+                _trace_path(rec, report, shared, grpo, "lora", ("--sp_size", str(sp_size)), f"sp{sp_size}/grpo/lora",
+                            forwards_only=True)
+    report.scorer_threads = dict(rec.scorer_threads)
     report.findings = [{**dataclasses.asdict(f), "count": n} for f, n in rec.findings.items()]
     report.attention = [{**dataclasses.asdict(a), "count": n} for a, n in rec.attention.items()]
     report.seconds = time.perf_counter() - t0
@@ -1076,24 +1127,27 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
 
 
 def _trace_path(rec: Recorder, report: Report, shared: Shared, objective: Objective, variant: str,
-                extra: tuple[str, ...] = (), label: str | None = None) -> None:
-    """One path: build, rollout + decode, reward, update (+ optimizer step, EMA / reference / old policy), checkpoint
-    and export; a failed phase ends the path (recorded in ``report.paths``)."""
+                extra: tuple[str, ...] = (), label: str | None = None, forwards_only: bool = False) -> None:
+    """One path (``extra``: more trainer flags): build, rollout + decode, reward, update (+ optimizer step, EMA /
+    reference / old policy), checkpoint and export, or with ``forwards_only`` build and rollout only (the SP path);
+    a failed phase ends the path (recorded in ``report.paths``)."""
     from fastvideo import distributed
 
-    prefix = label or f"{objective.name}/{variant}"
+    prefix, run = label or f"{objective.name}/{variant}", None
     try:
         ok, run = report.step(rec, f"{prefix}/build", lambda: _run(shared, objective, variant, extra))
         report.world[prefix] = _world()
         ok, trace = report.step(rec, f"{prefix}/rollout", lambda: _sample(rec, shared, run, objective)) if ok else (
             False, None)
-        if not ok or extra:  # the SP path: build, then the sampling forwards and decode only
+        if not ok or forwards_only:
             return
         report.step(rec, f"{prefix}/reward", lambda: _score(trace, objective))
         ok, _ = report.step(rec, f"{prefix}/update", lambda: objective.update(trace))
         if ok:
             _, report.checkpoints[prefix] = report.step(rec, f"{prefix}/checkpoint", lambda: _checkpoint(rec, run))
     finally:
+        if getattr(run, "scorer", None) is not None:
+            run.scorer.close()
         distributed.set_sequence_parallel(1)
 
 

@@ -67,14 +67,21 @@ def test_pretend_cuda_trace(report: dict, check: str) -> None:
 
 
 def test_trace_covers_every_path(report: dict) -> None:
-    """Every objective x variant ran build, rollout, reward, update and checkpoint, and the SP path its forwards:
-    a check cannot pass by skipping a path."""
+    """Every objective x variant ran build, rollout, reward, update and checkpoint, GRPO with --reward_overlap too
+    (its micro-batches scored on the scorer's thread while the rollout ran), and the SP path its forwards: a check
+    cannot pass by skipping a path."""
     expected = {f"{o}/{v}/{phase}" for o in ("grpo", "dpo", "nft") for v in fake_cuda.VARIANTS
                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     expected |= {f"{o}/lora/{phase}" for o in ("grpo_guard", "grpo_dppo", "awm")
                  for phase in ("build", "rollout", "reward", "update", "checkpoint")}
+    expected |= {f"overlap/grpo/lora/{phase}" for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     expected |= {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"}
     assert expected <= set(report["paths"]), sorted(expected - set(report["paths"]))
+    # --reward_overlap: the rollout's two micro-batches were scored on the scorer's worker thread, during the rollout
+    assert report["scorer_threads"] == {"fastvideo-reward_0": 2}, report["scorer_threads"]
+    reward_call = "fastvideo/rewards/__init__.py:RewardFn.__call__"
+    scored = {f["path"] for f in report["findings"] if f["site_key"] == reward_call}
+    assert "overlap/grpo/lora/rollout" in scored and "overlap/grpo/lora/reward" not in scored, scored
     loops = {f["iteration"].split("[")[0] for f in report["attention"] if f["iteration"]}
     assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops
     sp = [a for a in report["attention"] if a["path"].startswith("sp2/")]

@@ -49,7 +49,7 @@ CASES = [
         ({"sde_window_stride": 2, "sde_window_schedule": "sliding", "sde_window_size": 2, "sampler": "sde"},
          "would do nothing"),
         ({"init_same_noise": True, "sampler": "sde"}, "would do nothing"), ({"decode_x0": True}, "would do nothing"),
-        ({"last_step": "ode"}, "would do nothing"),
+        ({"last_step": "ode"}, "would do nothing"), ({"reward_overlap": True}, "would do nothing"),
         ({"replay_images": True}, "--replay_images takes the images of a recording"))),  # (checked first)
     ("sample", {"lora_path": "LORA"}, {"transformer_path": "TRANSFORMER"}, "exclude each other", "ab"),
 ]
@@ -168,8 +168,10 @@ def _run(script: str, *flags: str, cwd: Path = REPO, **env: str) -> subprocess.C
 @pytest.mark.parametrize("flags, message", [
     (["--learning_rate", "-1"], "--learning_rate must be >= 0"),
     (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
-    (["--sde_window_size", "2", "--timestep_fraction", "0.5"], "drop one of them"),
-    (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
+    # slow (suite time, 3 s each): the same one-line path as the two above; test_flag_layers' in-process cases check
+    # these messages in the default suite
+    pytest.param(["--sde_window_size", "2", "--timestep_fraction", "0.5"], "drop one of them", marks=pytest.mark.slow),
+    pytest.param(["--config", "no/such.yaml"], "--config no/such.yaml: no such file", marks=pytest.mark.slow),
 ])
 def test_a_bad_flag_is_one_line_and_exit_status_2(flags, message, tmp_path, tiny_flux_dir, tiny_data):
     """A flag error is one line `PROG: error: ...` naming the fix, exit status 2, no traceback: for argparse's own

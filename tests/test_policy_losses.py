@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastvideo.losses import (DPPO_SDE_TYPES, GUARD_SDE_REASONS, GUARD_SDE_TYPES, flow_dppo_loss, grpo_guard_loss,
-                              policy_loss_sde_refusal)
+                              grpo_loss, policy_loss_sde_refusal)
 from fastvideo.schedulers import SDE_TYPES, sde_step_with_logprob
 
 SHAPES = [(6,), (5, 4, 3, 3), (4, 7, 5)]  # (B,) is a degenerate 1-element latent; (B,C,H,W); (B,L,D) packed tokens
@@ -363,3 +363,32 @@ def test_sde_type_tables():
     assert policy_loss_sde_refusal("clip", "cps") is None
     with pytest.raises(ValueError, match="unknown policy loss"):
         policy_loss_sde_refusal("ppo", "flow_sde")
+
+
+def test_padded_rows_leave_the_metrics_of_every_policy_loss():
+    """A padded micro-batch (--shuffle_micro_batches / --drop_zero_advantage: rows at weight 0, advantage 0) passes
+    ``valid``: clipfrac, approx_kl and each loss's own metrics are those of its real rows alone, equal to the loss on
+    the real rows only, and the loss itself is unchanged; ``valid=None`` keeps the plain means (today's values)."""
+    g = torch.Generator().manual_seed(3)
+    real, pad = 3, 2
+    lp = torch.randn(real + pad, generator=g) * 1e-3
+    old = torch.zeros(real + pad)
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.0, 0.0])  # padding at advantage 0 (weight 0)
+    lp[real:] = lp[0]  # a padded row repeats a real sample (here its large ratio would count twice)
+    mean = torch.randn(real + pad, 4, generator=g) * 1e-3
+    old_mean, std = torch.zeros(real + pad, 4), torch.full((real + pad,), 0.1)
+    valid = torch.arange(real + pad) < real
+    cases = {"clip": lambda s, v: grpo_loss(lp[s], old[s], adv[s], 5e-4, v),
+             "guard": lambda s, v: grpo_guard_loss(lp[s], old[s], adv[s], mean[s], old_mean[s], std[s], 0.3, 5e-5, v),
+             "dppo": lambda s, v: flow_dppo_loss(lp[s], old[s], adv[s], mean[s], old_mean[s], std[s], 1e-5, v)}
+    keys = {"clip": ("clipfrac", "approx_kl"), "guard": ("clipfrac", "approx_kl", "guard_bias_mean"),
+            "dppo": ("clipfrac", "approx_kl", "dppo_divergence_mean", "dppo_masked_frac")}
+    for name, fn in cases.items():
+        everything = slice(None)
+        padded_loss, padded = fn(everything, valid)
+        plain_loss, plain = fn(everything, None)
+        _, alone = fn(slice(0, real), None)
+        assert torch.equal(padded_loss, plain_loss), name
+        for key in keys[name]:
+            assert padded[key].item() == pytest.approx(alone[key].item(), rel=1e-6, abs=1e-12), (name, key)
+        assert any(plain[k].item() != pytest.approx(alone[k].item(), rel=1e-6, abs=1e-12) for k in keys[name]), name

@@ -85,9 +85,13 @@ def test_sbatch_parses():
     subprocess.run(["bash", "-n", SBATCH], cwd=REPO, check=True)
 
 
+# DPO's and NFT's launchers are slow (suite time, 3 s each): the sbatch script runs any launcher alike, and
+# test_launchers checks each launcher's torchrun line in the default suite
 @pytest.mark.parametrize("launcher, trainer", [("scripts/finetune_flux_grpo.sh", "train_grpo_flux.py"),
-                                               ("scripts/finetune_flux_dpo.sh", "train_dpo.py"),
-                                               ("scripts/finetune_flux_nft.sh", "train_nft.py")])
+                                               pytest.param("scripts/finetune_flux_dpo.sh", "train_dpo.py",
+                                                            marks=pytest.mark.slow),
+                                               pytest.param("scripts/finetune_flux_nft.sh", "train_nft.py",
+                                                            marks=pytest.mark.slow)])
 def test_every_node_runs_torchrun_with_its_rank(tmp_path, launcher, trainer):
     proc, calls = run_sbatch(tmp_path, "finished", "--max_train_steps", "7", LAUNCHER=launcher)
     assert proc.returncode == 0, proc.stdout + proc.stderr

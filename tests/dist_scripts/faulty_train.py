@@ -23,15 +23,20 @@ if fault == "nan_reward":
 
     build = rewards.build_reward
 
-    def build_nan_reward(*args, **kwargs):
+    def build_nan_reward(*args, **kwargs):  # each component's scorer returns NaN for the 2nd image: RewardFn sees it
         reward_fn = build(*args, **kwargs)
 
-        def nan_on_second(images, prompts):
-            out = reward_fn(images, prompts)
-            bad = torch.arange(len(prompts)) == 1
-            return {k: torch.where(bad.to(v.device), torch.nan, v) for k, v in out.items()}
+        def nan_on_second(scorer):
+            def score(images, prompts):
+                out = scorer(images, prompts)
+                values = out if isinstance(out, dict) else {"score": out}
+                bad = torch.arange(len(prompts)) == 1
+                values = {k: torch.where(bad.to(v.device), torch.nan, v.float()) for k, v in values.items()}
+                return values if isinstance(out, dict) else values["score"]
+            return score
 
-        return nan_on_second
+        reward_fn.components = [(name, weight, nan_on_second(scorer)) for name, weight, scorer in reward_fn.components]
+        return reward_fn
 
     rewards.build_reward = build_nan_reward
 elif fault == "inf_grad":
