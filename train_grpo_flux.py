@@ -143,37 +143,6 @@ class Update:
 LOSS_METRICS = {"clip": (), "guard": ("guard_bias_mean",), "dppo": ("dppo_divergence_mean", "dppo_masked_frac")}
 
 
-def training_order(run: training.Run, num_samples: int, adv_all: torch.Tensor | None, step: int,
-                   ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor | None]]], float]:
-    """This rank's optimizer steps of the rollout, each a list of micro-batches ``(local sample indices (b,), loss
-    weights (b,) or None)``, and the share of the step's samples trained.
-
-    Default: its samples in prompt-group order, --train_batch_size at a time, --gradient_accumulation_steps micro-
-    batches per optimizer step, weights None (each micro-batch's loss is its mean). --shuffle_micro_batches (a keyed
-    permutation of the gathered batch) and --drop_zero_advantage (only samples with A != 0, Flow-GRPO) cut the
-    step's global training order into optimizer steps with ``advantages.share_samples``: each rank trains its own
-    samples of each, padded at weight 0 to the same count, real samples at weights that make the loss the mean over
-    the optimizer step's samples, whatever the world size."""
-    from fastvideo.advantages import nonzero_selection, share_samples, shuffle_order
-
-    args, counts = run.args, run.counts
-    tbs, accum = args.train_batch_size, counts["gradient_accumulation_steps"]
-    if not (args.drop_zero_advantage or args.shuffle_micro_batches):
-        micro = [(idx, None) for idx in torch.arange(num_samples).split(tbs)]
-        return [micro[c:c + accum] for c in range(0, len(micro), accum)], 1.0
-    if adv_all is None:
-        raise ValueError("--shuffle_micro_batches / --drop_zero_advantage order the gathered batch: pass adv_all")
-    total = len(adv_all)
-    selected = nonzero_selection(adv_all) if args.drop_zero_advantage else torch.arange(total)
-    order = shuffle_order(run.noise, step, total, selected=selected) if args.shuffle_micro_batches else selected
-    rank = run.dist.dp_rank
-    chunks = share_samples(order, rank, run.dist.dp_size, owners=torch.arange(total) // num_samples,
-                           num_chunks=counts["optimizer_steps_per_rollout"])
-    steps = [[(p - rank * num_samples, w) for p, w in zip(pos.split(tbs), weights.split(tbs)) if len(p)]
-             for pos, weights in chunks]  # a chunk with no sample (every one dropped) is [] on every rank
-    return steps, len(order) / total
-
-
 def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tensor, log_prob: torch.Tensor,
                 mean: torch.Tensor, std: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict]:
@@ -191,7 +160,7 @@ def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tens
 
 def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, step: int,
                   adv_all: torch.Tensor | None = None) -> Update:
-    """For every optimizer step of ``training_order``, every micro-batch and every trained timestep: replay the step
+    """For every optimizer step of ``training.training_order``, every micro-batch and every trained timestep: replay the step
     with the current policy and back-propagate the policy loss (--policy_loss) + kl_beta x KL to the reference,
     scaled by 1/(accumulated micro-batches x timesteps) (weighted micro-batches: the weighted sum over 1/timesteps);
     an optimizer step after each. ``adv_all``: the gathered advantages (P*G,), needed by the two switches."""
@@ -201,7 +170,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                                          timestep_fraction=args.timestep_fraction,
                                          selection=args.timestep_selection)  # (B, K)
     num_trained = timesteps.shape[1]
-    optimizer_steps, kept_frac = training_order(run, len(samples.prompt_ids), adv_all, step)
+    optimizer_steps, kept_frac = training.training_order(run, len(samples.prompt_ids), adv_all, step)
     out = Update(timesteps=timesteps, kept_frac=kept_frac)
     run.optimizer.zero_grad(set_to_none=True)
     timesteps_dev = devices.to_device(timesteps, run.device)  # once per step: the loop below never syncs

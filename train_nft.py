@@ -73,7 +73,7 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 4. forward-process update: micro-batches x trained sigmas, the objective's loss --------------
         t0 = time.perf_counter()
-        upd = update_policy(run, traj, batch, samples, advantages, keep, step)
+        upd = update_policy(run, traj, batch, samples, advantages, keep, step, adv_all)
 
         # ---- 5. the old policy follows: old <- d*old + (1-d)*theta -----------------------------------
         optimizer_steps = step * counts["optimizer_steps_per_rollout"]
@@ -129,11 +129,6 @@ def trained_timesteps(args: argparse.Namespace, noise, step: int, samples) -> to
     return awm_timesteps(*keys, args.awm_timesteps) if args.objective == "awm" else nft_timesteps(*keys)
 
 
-def micro_batches(run: training.Run, samples) -> tuple[torch.Tensor, ...]:
-    """This rank's sample positions, split into micro-batches of --train_batch_size (CPU)."""
-    return torch.arange(len(samples.prompt_ids)).split(run.args.train_batch_size)
-
-
 def micro_batch_inputs(run: training.Run, batch: dict, samples, idx_cpu: torch.Tensor) -> tuple[torch.Tensor, dict,
                                                                                                    dict]:
     """A micro-batch's positions on the device, its conditioning and its noise keys."""
@@ -167,13 +162,13 @@ def awm_kwargs(args: argparse.Namespace, *, weighting_only: bool = False) -> dic
 
 
 def rollout_log_probs(run: training.Run, traj, batch: dict, samples, timesteps_dev: torch.Tensor, step: int,
-                      skip: int) -> torch.Tensor:
+                      later: list[torch.Tensor]) -> torch.Tensor:
     """AWM on-policy with several optimizer steps per rollout: (B, K) log-likelihood proxies of theta as it sampled
-    the rollout, for the micro-batches after the first ``skip`` (trained after an optimizer step moved theta; the
-    first cycle's are their own, detached), precomputed as train_sd3_awm.py does; zeros for the first ``skip``."""
+    the rollout, for the micro-batches ``later`` (their sample positions: trained after an optimizer step moved theta;
+    the first optimizer step's are their own, detached), precomputed as train_sd3_awm.py does; zeros elsewhere."""
     lp = torch.zeros(timesteps_dev.shape, dtype=torch.float32, device=run.device)
     with torch.no_grad():
-        for idx_cpu in micro_batches(run, samples)[skip:]:
+        for idx_cpu in later:
             idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
             for k in range(timesteps_dev.shape[1]):
                 t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
@@ -184,12 +179,15 @@ def rollout_log_probs(run: training.Run, traj, batch: dict, samples, timesteps_d
 
 
 def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, keep: torch.Tensor,
-                  step: int) -> Update:
-    """For every micro-batch of --train_batch_size samples and every trained sigma: noise the rollout's clean latents
+                  step: int, adv_all: torch.Tensor | None = None) -> Update:
+    """For every optimizer step of ``training.training_order`` (default: --gradient_accumulation_steps micro-batches
+    of --train_batch_size samples in group order; --shuffle_micro_batches: a keyed permutation of the step's samples,
+    each rank's padded at weight 0), every micro-batch and every trained sigma: noise the rollout's clean latents
     (forward process), v_old (when an old policy is kept) and v_ref (--kl_beta > 0) without grad, v_theta,
     back-propagate the objective's loss (``nft_loss`` / ``awm_loss``) scaled by 1/(accumulated micro-batches x
-    timesteps); an optimizer step every --gradient_accumulation_steps micro-batches. ``advantages`` (B,) this rank's
-    (NFT-mode) advantages, ``keep`` (B,) False for samples dropped for a non-finite reward."""
+    timesteps) (weighted micro-batches: the weighted sum over 1/timesteps); an optimizer step after each.
+    ``advantages`` (B,) this rank's (NFT-mode) advantages, ``keep`` (B,) False for samples dropped for a non-finite
+    reward, ``adv_all`` the gathered advantages (needed by --shuffle_micro_batches only: the order's length)."""
     args, policy, old = run.args, run.policy, run.policy.old
     awm = args.objective == "awm"
     velocity = velocity_kwargs(run)
@@ -197,47 +195,50 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     keep_dev = devices.to_device(keep, run.device)
     timesteps = trained_timesteps(args, run.noise, step, samples)  # (B, K) indices into the sampling grid
     num_trained = timesteps.shape[1]
-    accum = run.counts["gradient_accumulation_steps"]
-    scale = 1.0 / (accum * num_trained)
     out = Update(timesteps=timesteps)
-    batches = micro_batches(run, samples)
+    optimizer_steps, _ = training.training_order(run, len(samples.prompt_ids), adv_all, step)
     timesteps_dev = devices.to_device(timesteps, run.device)  # once per step: the loop below never syncs
     # AWM's ratio denominators: the sampling policy's log-likelihood proxies (off-policy: the old one, below; on-policy:
     # theta's own, detached, until the first optimizer step, then theta's before it, precomputed)
-    before = (rollout_log_probs(run, traj, batch, samples, timesteps_dev, step, skip=accum)
-              if awm and not args.awm_off_policy and len(batches) > accum else None)
-    for mb_index, idx_cpu in enumerate(batches):
-        idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
-        for k in range(num_trained):
-            t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
-            with torch.no_grad():
-                v_old = v_ref = None
-                if old is not None:
-                    with old.active() as old_model:
-                        v_old = model_velocity(old_model, x_t, t, cond, **velocity)
-                if args.kl_beta > 0:
-                    with policy.reference() as ref_model:
-                        v_ref = model_velocity(ref_model, x_t, t, cond, **velocity)
-            v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
-            if awm:
-                old_lp = (awm_log_prob(v_old, x0[idx], eps, t, **awm_kwargs(args, weighting_only=True))
-                          if args.awm_off_policy else before[idx, k] if mb_index >= accum else None)
-                loss, m = awm_loss(v_theta, x0[idx], eps, t, advantages[idx], old_log_prob=old_lp, v_ref=v_ref,
-                                   v_old=v_old, keep=keep_dev[idx], **awm_kwargs(args))
-                logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"], "old_kl": m["old_kl_loss"],
-                        **{n: m[n] for n in ("matching_loss", "weighted_matching", "ratio_mean", "clipfrac",
-                                             "approx_kl")}}
-            else:
-                loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
-                                   adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
-                                   keep=keep_dev[idx])
-                logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"], "L_pos": m["positive_loss"],
-                        "L_neg": m["negative_loss"], "old_deviation": (v_theta.detach() - v_old).pow(2).mean()}
-            run.backward(loss * scale, last_backward=(mb_index + 1) % accum == 0 and k == num_trained - 1)
-            for name, value in logs.items():
-                out.logs.setdefault(name, []).append(value.detach())
-        if (mb_index + 1) % accum == 0:
-            out.grad_norms.append(run.optimizer_step())
+    later = [idx for micro in optimizer_steps[1:] for idx, _ in micro]
+    before = (rollout_log_probs(run, traj, batch, samples, timesteps_dev, step, later)
+              if awm and not args.awm_off_policy and later else None)
+    for opt_index, micro in enumerate(optimizer_steps):
+        scale = 1.0 / ((len(micro) if micro[0][1] is None else 1) * num_trained)
+        for mb_index, (idx_cpu, weights_cpu) in enumerate(micro):
+            idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
+            weights = None if weights_cpu is None else devices.to_device(weights_cpu, run.device)
+            keep_mb = keep_dev[idx] if weights is None else keep_dev[idx] & (weights > 0)  # padding: 0, no metrics
+            for k in range(num_trained):
+                t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
+                with torch.no_grad():
+                    v_old = v_ref = None
+                    if old is not None:
+                        with old.active() as old_model:
+                            v_old = model_velocity(old_model, x_t, t, cond, **velocity)
+                    if args.kl_beta > 0:
+                        with policy.reference() as ref_model:
+                            v_ref = model_velocity(ref_model, x_t, t, cond, **velocity)
+                v_theta = model_velocity(policy.model, x_t, t, cond, **velocity)
+                if awm:
+                    old_lp = (awm_log_prob(v_old, x0[idx], eps, t, **awm_kwargs(args, weighting_only=True))
+                              if args.awm_off_policy else before[idx, k] if opt_index >= 1 else None)
+                    loss, m = awm_loss(v_theta, x0[idx], eps, t, advantages[idx], old_log_prob=old_lp, v_ref=v_ref,
+                                       v_old=v_old, keep=keep_mb, weights=weights, **awm_kwargs(args))
+                    logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"],
+                            "old_kl": m["old_kl_loss"], **{n: m[n] for n in ("matching_loss", "weighted_matching",
+                                                                             "ratio_mean", "clipfrac", "approx_kl")}}
+                else:
+                    loss, m = nft_loss(v_theta, v_old, x_t, x0[idx], t, advantages[idx], beta=args.nft_beta,
+                                       adv_clip_max=args.adv_clip_max, v_ref=v_ref, kl_beta=args.kl_beta,
+                                       keep=keep_mb, weights=weights)
+                    logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"],
+                            "L_pos": m["positive_loss"], "L_neg": m["negative_loss"],
+                            "old_deviation": (v_theta.detach() - v_old).pow(2).mean()}
+                run.backward(loss * scale, last_backward=mb_index == len(micro) - 1 and k == num_trained - 1)
+                for name, value in logs.items():
+                    out.logs.setdefault(name, []).append(value.detach())
+        out.grad_norms.append(run.optimizer_step())
     return out
 
 

@@ -115,6 +115,11 @@ class AdvantageOptions:
     group_std: str = opt("unbiased", "the group std of per-group normalisation (--no-global_std): unbiased (n - 1: "
                                      "DanceGRPO, torch.std) | population (n: Flow-GRPO's and DiffusionNFT's per-prompt "
                                      "stat_tracking.py, np.std; the NFT default)", choices=GROUP_STD_MODES)
+    shuffle_micro_batches: bool = opt(
+        False, "shuffle the step's samples before cutting them into optimizer steps and micro-batches (Flow-GRPO, "
+        "DiffusionNFT): a permutation of the gathered batch keyed by (seed, step), the same for every world size; "
+        "each rank trains its own samples in that order, padded at loss weight 0 to the longest rank's count (GRPO, "
+        "DiffusionNFT and AWM)")
 
 
 @dataclass
@@ -152,10 +157,6 @@ class GRPOOptions:
         "train_sd3.py), so the loss is the mean over the samples that carry a signal (default: they stay, as zeros "
         "that shrink the gradient by the step's share of them); each rank trains its own kept samples, ranks with "
         "fewer padded at weight 0")
-    shuffle_micro_batches: bool = opt(
-        False, "shuffle the step's samples before cutting them into optimizer steps and micro-batches (Flow-GRPO, "
-        "DiffusionNFT): a permutation of the gathered batch keyed by (seed, step), the same for every world size; "
-        "each rank trains its own samples in that order")
 
 
 @dataclass

@@ -99,6 +99,13 @@ def _ratio_metrics(r: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"ratio_mean": r.mean(), "ratio_std": r.std(correction=0), "ratio_min": r.min(), "ratio_max": r.max()}
 
 
+def _reduce(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """A per-sample loss term (B,) over the micro-batch: its mean, or with ``weights`` (B,) the weighted sum
+    ``sum(weights * x)`` (--shuffle_micro_batches: weights that make an optimizer step the mean over its samples on
+    any world size, 0 for a rank's padding)."""
+    return x.mean() if weights is None else (x * weights.to(device=x.device, dtype=x.dtype)).sum()
+
+
 def _mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Mean of the (B,) metric values ``x`` over the ``valid`` rows (all when None; 0 when none is valid): a padded
     micro-batch's metrics count its real samples only."""
@@ -333,7 +340,7 @@ def nft_advantages(advantages: torch.Tensor, mode: str, adv_clip_max: float = 5.
 def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
              t: torch.Tensor | float, advantages: torch.Tensor, *, beta: float = 1.0, adv_clip_max: float = 5.0,
              v_ref: torch.Tensor | None = None, kl_beta: float = 0.0, keep: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's forward-process objective (REFERENCE §6).
 
     ``v± `` mix the trainable ``v_theta`` with the old policy's ``v_old`` (detached) by ``beta``;
@@ -341,7 +348,8 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     ``w± = clamp(mean_dims|x0± - x0|, min=1e-5)``; ``policy = mean((r L⁺ + (1-r) L⁻)/beta) * adv_clip_max``
     with ``r = nft_optimality(A)``; ``loss = policy + kl_beta * mean((v_theta - v_ref)²)`` when ``v_ref``
     is given. ``t`` is a float, 0-d or (B,). ``keep`` (B,) bool: samples to train on (a dropped sample, e.g. of a
-    non-finite reward, adds exactly 0 to the loss and its gradient; the batch mean still divides by B).
+    non-finite reward, adds exactly 0 to the loss and its gradient; the batch mean still divides by B). ``weights``
+    (B,): the batch means become weighted sums ``sum(weights * .)`` (``_reduce``; --shuffle_micro_batches).
     Metrics: policy_loss, kl_loss, optimality_mean, positive_loss, negative_loss, weight_pos, weight_neg (means over
     the batch).
     """
@@ -364,11 +372,11 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
         w_neg = _mean_dims((x0_neg - x0f).abs()).clamp(min=1e-5)
     l_pos = _mean_dims((x0_pos - x0f).pow(2)) / w_pos
     l_neg = _mean_dims((x0_neg - x0f).pow(2)) / w_neg
-    policy = mask((r * l_pos + (1 - r) * l_neg) / beta).mean() * adv_clip_max
+    policy = _reduce(mask((r * l_pos + (1 - r) * l_neg) / beta), weights) * adv_clip_max
     loss = policy
     kl = torch.zeros((), dtype=torch.float32, device=xt.device)
     if v_ref is not None:
-        kl = mask(_mean_dims((vt - v_ref.detach().to(torch.float32)).pow(2))).mean()
+        kl = _reduce(mask(_mean_dims((vt - v_ref.detach().to(torch.float32)).pow(2))), weights)
         loss = loss + kl_beta * kl
     metrics = {
         "policy_loss": _d(policy),
@@ -445,7 +453,7 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
              ghuber_power: float = 0.25, clip_range: float = 1.0, adv_clip_max: float = 5.0,
              advantage_max: float = 1.0, v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
              v_old: torch.Tensor | None = None, old_kl_beta: float = 0.0, keep: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantage Weighted Matching (Xue et al., arXiv:2509.25050): the flow-matching loss of the policy on its own
     samples ``x0``, weighted by their group advantages, in the PPO-clipped form of the published code.
 
@@ -456,8 +464,8 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
     ``policy = mean(max(-a ratio, -a clamp(ratio, 1 - clip_range, 1 + clip_range)))``;
     ``loss = policy + kl_beta mean(mean_dims((v_theta - v_ref)²)) + old_kl_beta mean(mean_dims((v_theta - v_old)²))``
     (each distance when its velocity is given). ``t`` a float, 0-d or (B,); ``keep`` (B,) bool as in ``nft_loss`` (a
-    dropped sample adds exactly 0; the batch mean still divides by B). Sources: scxue/advantage_weighted_matching
-    scripts/train_sd3_awm.py (loss_type "exp_first", config.train.advantage_max, clip_range, beta and ema_beta with
+    dropped sample adds exactly 0; the batch mean still divides by B); ``weights`` (B,) as in ``nft_loss``.
+    Sources: scxue/advantage_weighted_matching scripts/train_sd3_awm.py (loss_type "exp_first", config.train.advantage_max, clip_range, beta and ema_beta with
     kl_weight "Uniform"); X-GenGroup/Flow-Factory src/flow_factory/trainers/awm.py ``AWMTrainer.optimize`` (kl_beta,
     ema_kl_beta). Metrics (means over the kept samples): policy_loss, kl_loss, old_kl_loss, matching_loss (l),
     weighted_matching (w), ratio_mean, clipfrac (``|ratio-1| > clip_range``), approx_kl (``½ (lp-old)²``).
@@ -481,13 +489,14 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
 
     ratio = torch.exp(lp - old)
     per_sample = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
-    policy = mask(per_sample).mean()
+    policy = _reduce(mask(per_sample), weights)
     loss = policy
     distances = {}
     for name, v_other, weight in (("kl_loss", v_ref, kl_beta), ("old_kl_loss", v_old, old_kl_beta)):
         distances[name] = torch.zeros((), dtype=torch.float32, device=lp.device)
         if v_other is not None:
-            distances[name] = mask(_mean_dims((vt - mask(v_other.detach().to(torch.float32))).pow(2))).mean()
+            distances[name] = _reduce(mask(_mean_dims((vt - mask(v_other.detach().to(torch.float32))).pow(2))),
+                                      weights)
             loss = loss + weight * distances[name]
     r = _d(ratio)
     metrics = {

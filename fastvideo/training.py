@@ -1177,6 +1177,39 @@ def rank_mean(values: torch.Tensor) -> torch.Tensor:
     return D.all_reduce_sum(local) / D.get_world_size()
 
 
+def training_order(run: Run, num_samples: int, adv_all: torch.Tensor | None, step: int,
+                   ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor | None]]], float]:
+    """This rank's optimizer steps of the rollout (GRPO's, DiffusionNFT's and AWM's update), each a list of
+    micro-batches ``(local sample indices (b,), loss weights (b,) or None)``, and the share of the step's samples
+    trained.
+
+    Default: its samples in prompt-group order, --train_batch_size at a time, --gradient_accumulation_steps micro-
+    batches per optimizer step, weights None (each micro-batch's loss is its mean). --shuffle_micro_batches (a keyed
+    permutation of the gathered batch) and --drop_zero_advantage (only samples with A != 0, Flow-GRPO) cut the
+    step's global training order into optimizer steps with ``advantages.share_samples``: each rank trains its own
+    samples of each, padded at weight 0 to the same count, real samples at weights that make the loss the mean over
+    the optimizer step's samples, whatever the world size."""
+    from fastvideo.advantages import nonzero_selection, share_samples, shuffle_order
+
+    args, counts = run.args, run.counts
+    tbs, accum = args.train_batch_size, counts["gradient_accumulation_steps"]
+    drop = getattr(args, "drop_zero_advantage", False)  # GRPO's flag (train_nft.py has --shuffle_micro_batches only)
+    if not (drop or args.shuffle_micro_batches):
+        micro = [(idx, None) for idx in torch.arange(num_samples).split(tbs)]
+        return [micro[c:c + accum] for c in range(0, len(micro), accum)], 1.0
+    if adv_all is None:
+        raise ValueError("--shuffle_micro_batches / --drop_zero_advantage order the gathered batch: pass adv_all")
+    total = len(adv_all)
+    selected = nonzero_selection(adv_all) if drop else torch.arange(total)
+    order = shuffle_order(run.noise, step, total, selected=selected) if args.shuffle_micro_batches else selected
+    rank = run.dist.dp_rank
+    chunks = share_samples(order, rank, run.dist.dp_size, owners=torch.arange(total) // num_samples,
+                           num_chunks=counts["optimizer_steps_per_rollout"])
+    steps = [[(p - rank * num_samples, w) for p, w in zip(pos.split(tbs), weights.split(tbs)) if len(p)]
+             for pos, weights in chunks]  # a chunk with no sample (every one dropped) is [] on every rank
+    return steps, len(order) / total
+
+
 def weighted_rank_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum(values * weights) / sum(weights)`` over every rank's entries (e.g. per-micro-batch metric means weighted
     by their real samples, when ranks pad their micro-batches); 0 when every weight is 0."""

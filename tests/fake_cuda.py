@@ -775,13 +775,16 @@ def update_dpo(ctx: Trace) -> None:
 
 def update_nft(ctx: Trace) -> None:
     """DiffusionNFT's update: ``train_nft.update_policy`` itself (forward process on the old policy's clean latents,
-    v_old / v_ref without grad, v_theta, NFT loss, optimizer step), then the old policy follows."""
+    v_old / v_ref without grad, v_theta, NFT / AWM loss, optimizer steps; AWM's with --shuffle_micro_batches'
+    weighted micro-batches), then the old policy follows."""
     from fastvideo.losses import nft_advantages, nft_old_decay
 
     run, args = ctx.run, ctx.run.args
     advantages = nft_advantages(ctx.advantages, args.adv_mode, args.adv_clip_max)
     keep = run.local(ctx.rewards["total"].isfinite())
-    trainer("train_nft").update_policy(run, ctx.traj, ctx.batch, ctx.samples, advantages, keep, STEP)
+    with unset_fake_temporarily():  # gathered CPU values (the order of --shuffle_micro_batches), as update_grpo's
+        adv_all = torch.linspace(-1.0, 1.0, len(ctx.adv_all))
+    trainer("train_nft").update_policy(run, ctx.traj, ctx.batch, ctx.samples, advantages, keep, STEP, adv_all)
     run.policy.old.update(nft_old_decay(STEP, args.old_decay_schedule))
 
 
@@ -834,7 +837,8 @@ def default_objectives() -> list[Objective]:
                   lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
         Objective("awm", config.parse_nft_args, config.validate_nft,
                   ("--objective", "awm", "--old_kl_beta", "0.1", "--kl_beta", "0.01", "--eta", "0",
-                   "--awm_timesteps", "1", "--timestep_fraction", "1.0"),
+                   "--awm_timesteps", "1", "--timestep_fraction", "1.0", "--shuffle_micro_batches",
+                   "--train_batch_size", "1", "--gradient_accumulation_steps", "1"),  # 2 optimizer steps, weighted
                   old_policy, update_nft, keep_latents=False, variants=("lora",)),
     ]
 

@@ -229,3 +229,52 @@ def test_awm_resumes_exactly(tiny_flux_dir, tiny_data, tmp_path):
     rows = read_metrics(straight / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["old_kl"] > 0 for r in rows)
     assert_resume_matches(straight, tmp_path / "resumed", 2, args(tmp_path / "resumed"))
+
+
+def test_loss_weights_make_the_batch_mean_a_weighted_sum():
+    """--shuffle_micro_batches passes loss weights (B,): ``nft_loss`` and ``awm_loss`` (policy and every KL term)
+    become ``sum(weights * per-sample term)``, linear in the weights (each sample's own term is the loss at its
+    one-hot weight; their float64 weighted sum is the loss), so a padding row (weight 0, a rank's filler) adds
+    nothing, and uniform weights 1/B give the plain batch mean."""
+    from fastvideo.losses import nft_loss
+
+    g = torch.Generator().manual_seed(7)
+    b, shape = 4, (4, 6, 3)
+    v_theta, v_old, v_ref, x0, eps = (torch.randn(shape, generator=g) for _ in range(5))
+    t = torch.tensor([0.3, 0.6, 0.8, 0.45])
+    adv = torch.tensor([1.5, -0.7, 0.2, 0.0])
+    x_t = (1 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
+    weights = torch.tensor([0.5, 0.25, 0.25, 0.0])  # the last row is a rank's padding
+    calls = {"nft": lambda w: nft_loss(v_theta, v_old, x_t, x0, t, adv, v_ref=v_ref, kl_beta=0.1, weights=w)[0],
+             "awm": lambda w: awm_loss(v_theta, x0, eps, t, adv, v_ref=v_ref, kl_beta=0.1, v_old=v_old,
+                                       old_kl_beta=0.2, weights=w)[0]}
+    for name, loss in calls.items():
+        per_row = torch.stack([loss(torch.eye(b)[i]) for i in range(b)])  # each sample's own term
+        expected = (per_row.double() * weights.double()).sum()
+        assert loss(weights).item() == pytest.approx(expected.item(), rel=1e-6), name
+        assert loss(torch.full((b,), 1.0 / b)).item() == pytest.approx(loss(None).item(), rel=1e-6), name
+
+
+# slow (suite time, ~20 s each): the default suite keeps the weighted losses (above), training_order's world-size
+# invariance (test_grpo_objectives) and AWM with --shuffle_micro_batches in the pretend-CUDA trace (test_fake_cuda)
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["nft", "awm"])
+def test_shuffled_micro_batches_train_every_optimizer_step(tiny_flux_dir, tiny_data, tmp_path, objective):
+    """train_nft.py --shuffle_micro_batches on 2 ranks with two optimizer steps per rollout: both steps train (finite
+    losses and gradient norms), the shuffle changes what the steps see (the run's losses differ from the same run in
+    group order), and AWM's later micro-batches take their ratio against theta before the first step (approx_kl > 0)."""
+    flags = (*(AWM if objective == "awm" else ("--solver", "dpm2")), "--prompts_per_step", "2", "--num_generations",
+             "4", "--lora_rank", "4", "--learning_rate", "3e-2", "--max_train_steps", "1",
+             "--gradient_accumulation_steps", "1", "--train_batch_size", "2", "--sample_every", "0")
+    runs = {}
+    for mode in ("order", "shuffle"):
+        out = tmp_path / mode
+        run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *flags, "--reward", "jpeg_compressibility:1.0",
+                              *(["--shuffle_micro_batches"] if mode == "shuffle" else [])))
+        runs[mode] = read_metrics(out / "metrics.jsonl")
+    for rows in runs.values():
+        assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert runs["order"][0]["reward_mean"] == runs["shuffle"][0]["reward_mean"]  # the same rollout
+    assert runs["order"][0]["loss"] != runs["shuffle"][0]["loss"]
+    if objective == "awm":
+        assert runs["shuffle"][0]["approx_kl"] > 0

@@ -99,11 +99,11 @@ def test_bad_objective_flags_are_refused_with_the_fix(tmp_path, flags, match):
 
 
 def _order(adv_all, rank: int, world: int, *, drop: bool, shuffle: bool, tbs: int = 2, steps: int = 2):
-    """``train_grpo_flux.training_order`` for one rank of ``world`` (the run's pieces it reads, as a namespace)."""
+    """``training.training_order`` for one rank of ``world`` (the run's pieces it reads, as a namespace)."""
     from types import SimpleNamespace
 
     from fastvideo.seeding import NoiseSource
-    from fake_cuda import trainer
+    from fastvideo.training import training_order
 
     n = len(adv_all) // world
     accum = n // tbs // steps
@@ -111,7 +111,7 @@ def _order(adv_all, rank: int, world: int, *, drop: bool, shuffle: bool, tbs: in
                                                shuffle_micro_batches=shuffle),
                           counts={"gradient_accumulation_steps": accum, "optimizer_steps_per_rollout": steps},
                           dist=SimpleNamespace(dp_rank=rank, dp_size=world), noise=NoiseSource(5))
-    return trainer("train_grpo_flux").training_order(run, n, adv_all, step=3)
+    return training_order(run, n, adv_all, step=3)
 
 
 @pytest.mark.parametrize("drop,shuffle", [(True, False), (False, True), (True, True)])
