@@ -141,6 +141,11 @@ POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
                "flux2": ("--policy_loss", "guard", "--clip_range", "1e-3")}
 
 
+# SD3's and Qwen-Image's runs are slow (suite time, ~11 s each): FLUX.2's run keeps the CFG replay and a newer policy
+# loss in the default suite, each family's guided Euler loop is checked against its stock pipeline there
+# (tests/test_family_<name>.py), and the pretend-CUDA trace runs GRPO-Guard and Flow-DPPO's updates
+@pytest.mark.parametrize("fam", [pytest.param("sd3", marks=pytest.mark.slow),
+                                 pytest.param("qwen-image", marks=pytest.mark.slow), "flux2"], indirect=True)
 def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
     """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
     replay), with the family's ``POLICY_LOSS``: the first update's ratios are 1 (the replayed guided log-prob equals

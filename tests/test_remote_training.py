@@ -54,11 +54,14 @@ def test_remote_reward_trains_exactly_as_the_local_one(toy_world, tmp_path):
     assert health["counters"]["images"] == 2 * 8  # 2 steps x 8 images, each scored once on the server
 
 
-def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_path):
+# the resume is slow (suite time, ~10 s): the default suite checks that the newest checkpoint is complete (below) and
+# that the fingerprint leaves server addresses out (test_the_fingerprint_leaves_reward_server_addresses_out)
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["stop", "resume"])
+def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_path, resume):
     """The server dies after the step-1 checkpoint: both ranks stop within the client's bound
     (--reward_timeout_s x (retries + 1) + backoff, plus the step in flight), each naming the URL; the newest
-    checkpoint is complete, and the run resumes from it against a server at another address (the fingerprint leaves
-    reward-server addresses out) and finishes."""
+    checkpoint is complete, and (``resume``) the run resumes from it against a server at another address (the
+    fingerprint leaves reward-server addresses out) and finishes."""
     from fastvideo.checkpoint import latest_checkpoint
 
     out = tmp_path / "run"
@@ -90,6 +93,8 @@ def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_p
     last = latest_checkpoint(out)
     step = int(last.name.split("-")[1])
     assert 1 <= step < 40
+    if not resume:
+        return
     with launch(["--reward", "toyworld", "--device", "cpu"]) as moved:
         assert moved.url != url
         run_torchrun(_grpo_args(toy_world, out, f"remote:{moved.url}", "--max_train_steps", str(step + 1),
@@ -131,3 +136,18 @@ def test_the_score_tool_scores_remotely_as_locally_and_names_a_dead_server(tmp_p
                           capture_output=True, text=True)
     assert dead.returncode == 1 and "Traceback" not in dead.stderr and url in dead.stderr, dead.stderr
     assert not (tmp_path / "dead.jsonl").exists()
+
+
+def test_the_fingerprint_leaves_reward_server_addresses_out():
+    """A checkpoint's run identity (what --resume_from compares) is the same when only the reward servers' addresses
+    changed (a requeued job's new nodes), and differs when a weight or the reward itself changed."""
+    from fastvideo.training import run_identity
+
+    def identity(reward: str) -> str:
+        return run_identity({"algorithm": "grpo", "reward": reward, "seed": 0})["config_fingerprint"]
+
+    assert identity("toyworld:1.0,remote:http://a:8000:0.5") == identity("toyworld:1.0,remote:http://b:9|http://c:9:0.5")
+    assert identity("toyworld:1.0,remote:http://a:8000:0.5") != identity("toyworld:1.0,remote:http://a:8000:0.25")
+    assert identity("hpsv2:1.0") != identity("remote:http://a:8000")
+    # a spec without servers is recorded as written: checkpoints of earlier versions keep their fingerprints
+    assert run_identity({"algorithm": "grpo", "reward": "hpsv2:1.0", "seed": 0})["run_flags"]["reward"] == "hpsv2:1.0"
