@@ -86,10 +86,12 @@ def train(args: argparse.Namespace) -> None:
         t_rollout, t_decode = traj.timings["sample"], traj.timings["decode"]
         step_time = t_rollout + t_decode + reward_times["time_reward"] + t_train
         host = training.to_host(upd.logs)  # one device->host copy for the step's metrics
+        rows = torch.tensor(upd.counts, dtype=torch.float32) if upd.counts else None  # padded micro-batches' weights
         metrics = {
             **adv_metrics,  # reward_mean, reward_std (population), zero_std_group_frac, adv_clip_frac, ...
             **training.reward_metrics(all_rewards),
-            **{name: rank_mean(values) for name, values in host.items()},
+            **{name: (training.weighted_rank_mean(values, rows) if rows is not None and name in PER_SAMPLE_LOGS
+                      else rank_mean(values)) for name, values in host.items()},
             **optimality_metrics(args, adv_all),
             **({"old_decay": old_decay, "old_updates": old.num_updates} if old is not None else {}),
             "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms), "trained_timesteps": upd.timesteps.shape[1],
@@ -101,6 +103,20 @@ def train(args: argparse.Namespace) -> None:
             break
 
     run.finish()
+
+
+# the logs that average samples (weighted by trained rows when micro-batches are padded); the rest are loss terms
+PER_SAMPLE_LOGS = frozenset({"L_pos", "L_neg", "old_deviation", "matching_loss", "weighted_matching", "ratio_mean",
+                             "clipfrac", "approx_kl"})
+
+
+def old_deviation(v_theta: torch.Tensor, v_old: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """mean((v_theta - v_old)^2): over the micro-batch, or over its ``rows`` (B,) bool (a padded micro-batch)."""
+    dev = (v_theta.detach() - v_old).pow(2)
+    if rows is None:
+        return dev.mean()
+    per_row = dev.flatten(1).mean(1)
+    return (per_row * rows).sum() / rows.sum().clamp(min=1)
 
 
 def optimality_metrics(args: argparse.Namespace, adv_all: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -115,12 +131,13 @@ def optimality_metrics(args: argparse.Namespace, adv_all: torch.Tensor) -> dict[
 class Update:
     """What one rollout's update produced: the trained timesteps (B, K), per (micro-batch, trained sigma) the detached
     loss terms (``logs``: NFT's loss, policy_loss, kl, L_pos, L_neg, old_deviation; AWM's loss, policy_loss, kl,
-    old_kl, matching_loss, weighted_matching, ratio_mean, clipfrac, approx_kl), and each optimizer step's gradient
-    norm."""
+    old_kl, matching_loss, weighted_matching, ratio_mean, clipfrac, approx_kl), each optimizer step's gradient
+    norm, and (--shuffle_micro_batches) each log entry's trained rows, which weight its per-sample metrics."""
 
     timesteps: torch.Tensor
     logs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     grad_norms: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # weighted micro-batches: trained rows per entry of ``logs``
 
 
 def trained_timesteps(args: argparse.Namespace, noise, step: int, samples) -> torch.Tensor:
@@ -192,7 +209,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     awm = args.objective == "awm"
     velocity = velocity_kwargs(run)
     x0 = traj.clean_latents  # (B, L, C) float32
-    keep_dev = devices.to_device(keep, run.device)
+    keep_dev, keep_cpu = devices.to_device(keep, run.device), keep.cpu()
     timesteps = trained_timesteps(args, run.noise, step, samples)  # (B, K) indices into the sampling grid
     num_trained = timesteps.shape[1]
     out = Update(timesteps=timesteps)
@@ -209,6 +226,8 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
             idx, cond, keys = micro_batch_inputs(run, batch, samples, idx_cpu)
             weights = None if weights_cpu is None else devices.to_device(weights_cpu, run.device)
             keep_mb = keep_dev[idx] if weights is None else keep_dev[idx] & (weights > 0)  # padding: 0, no metrics
+            if weights_cpu is not None:  # the micro-batch's trained rows: its metrics' weight (CPU, no sync)
+                out.counts += [int((keep_cpu[idx_cpu] & (weights_cpu > 0)).sum())] * num_trained
             for k in range(num_trained):
                 t, eps, x_t = forward_point(run, traj, timesteps_dev, idx, k, keys, step)
                 with torch.no_grad():
@@ -234,7 +253,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                                        keep=keep_mb, weights=weights)
                     logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"],
                             "L_pos": m["positive_loss"], "L_neg": m["negative_loss"],
-                            "old_deviation": (v_theta.detach() - v_old).pow(2).mean()}
+                            "old_deviation": old_deviation(v_theta, v_old, keep_mb if weights is not None else None)}
                 run.backward(loss * scale, last_backward=mb_index == len(micro) - 1 and k == num_trained - 1)
                 for name, value in logs.items():
                     out.logs.setdefault(name, []).append(value.detach())

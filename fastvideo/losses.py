@@ -351,7 +351,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     non-finite reward, adds exactly 0 to the loss and its gradient; the batch mean still divides by B). ``weights``
     (B,): the batch means become weighted sums ``sum(weights * .)`` (``_reduce``; --shuffle_micro_batches).
     Metrics: policy_loss, kl_loss, optimality_mean, positive_loss, negative_loss, weight_pos, weight_neg (means over
-    the batch).
+    the batch; with ``weights``, over the rows with weight > 0 that ``keep`` keeps).
     """
     if beta <= 0:
         raise ValueError(f"beta (the NFT mixing coefficient) must be > 0, got {beta}")
@@ -378,14 +378,16 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     if v_ref is not None:
         kl = _reduce(mask(_mean_dims((vt - v_ref.detach().to(torch.float32)).pow(2))), weights)
         loss = loss + kl_beta * kl
+    # a weighted (shuffled, padded) micro-batch's metrics average its trained rows only; unweighted: every row
+    real = None if weights is None else (weights > 0) & (True if keep is None else keep.to(weights.device))
     metrics = {
         "policy_loss": _d(policy),
         "kl_loss": _d(kl),
-        "optimality_mean": r.mean(),
-        "positive_loss": _d(l_pos).mean(),
-        "negative_loss": _d(l_neg).mean(),
-        "weight_pos": w_pos.mean(),
-        "weight_neg": w_neg.mean(),
+        "optimality_mean": _mean(r, real),
+        "positive_loss": _mean(_d(l_pos), real),
+        "negative_loss": _mean(_d(l_neg), real),
+        "weight_pos": _mean(w_pos, real),
+        "weight_neg": _mean(w_neg, real),
     }
     return loss, metrics
 

@@ -255,6 +255,33 @@ def test_loss_weights_make_the_batch_mean_a_weighted_sum():
         assert loss(torch.full((b,), 1.0 / b)).item() == pytest.approx(loss(None).item(), rel=1e-6), name
 
 
+def test_padded_rows_leave_nft_metrics():
+    """A weighted micro-batch's padding rows (weight 0) leave nft_loss's per-sample metrics: they equal those of the
+    real rows alone; the trainer's old_deviation does the same; unweighted (the default) keeps every row's mean."""
+    from fastvideo.losses import nft_loss
+
+    import train_nft
+
+    g = torch.Generator().manual_seed(11)
+    real, pad = 3, 2
+    v_theta, v_old, x0, eps = (torch.randn(real + pad, 4, 3, generator=g) for _ in range(4))
+    v_theta[real:] = v_theta[0] * 5  # padding repeats a real sample (with values that would move every mean)
+    t = torch.tensor([0.3, 0.6, 0.8, 0.3, 0.3])
+    adv = torch.tensor([1.5, -0.7, 0.2, 0.0, 0.0])
+    x_t = (1 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps
+    weights = torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0])
+    _, padded = nft_loss(v_theta, v_old, x_t, x0, t, adv, weights=weights)
+    _, alone = nft_loss(v_theta[:real], v_old[:real], x_t[:real], x0[:real], t[:real], adv[:real])
+    _, plain = nft_loss(v_theta, v_old, x_t, x0, t, adv)
+    for key in ("optimality_mean", "positive_loss", "negative_loss", "weight_pos", "weight_neg"):
+        assert padded[key].item() == pytest.approx(alone[key].item(), rel=1e-6), key
+    assert plain["positive_loss"].item() != pytest.approx(alone["positive_loss"].item(), rel=1e-3)
+    rows = weights > 0
+    assert train_nft.old_deviation(v_theta, v_old, rows).item() == pytest.approx(
+        train_nft.old_deviation(v_theta[:real], v_old[:real], None).item(), rel=1e-6)
+    assert torch.equal(train_nft.old_deviation(v_theta, v_old, None), (v_theta - v_old).pow(2).mean())
+
+
 # slow (suite time, ~20 s each): the default suite keeps the weighted losses (above), training_order's world-size
 # invariance (test_grpo_objectives) and AWM with --shuffle_micro_batches in the pretend-CUDA trace (test_fake_cuda)
 @pytest.mark.slow
