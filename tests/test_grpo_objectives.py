@@ -1,7 +1,7 @@
 """GRPO's policy-loss variants (--policy_loss guard | dppo), MixGRPO's moving SDE window (--sde_window_schedule) and
 the reference-parity switches (--drop_zero_advantage, --shuffle_micro_batches, --timestep_selection first,
 --group_std population, --kl_form) end to end on the tiny preset (2 ranks, gloo, CPU): on-policy at the first update,
-their own metrics, exact resume; (slow) each raises the toy world's reward over an lr-0 control."""
+their own metrics, exact resume; (slow) each raises the toy world's training reward over an lr-0 control."""
 from __future__ import annotations
 
 import math
@@ -157,7 +157,7 @@ def test_training_order_is_world_size_invariant(drop, shuffle):
 
 @pytest.fixture(scope="module")
 def objective_runs(tmp_path_factory):
-    """benchmarks/objectives.py's JPEG-world runs for seed 0 (2 ranks, through the demo launchers, one shared
+    """benchmarks/objectives.py's toy-world runs for seed 0 (2 ranks, through the demo launchers, one shared
     DATA_DIR): a function ``runs(name) -> (trained rows, control rows)``; each run is made once and reused."""
     import sys
 
@@ -172,33 +172,34 @@ def objective_runs(tmp_path_factory):
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # as the benchmark that chose the margins ran (thread count: rounding)
         try:
-            return tuple(objectives.rows(objectives.run(root / "out", "jpeg", name, 0, STEPS, root / "data",
+            return tuple(objectives.rows(objectives.run(root / "out", "toyworld", name, 0, STEPS, root / "data",
                                                         control=c)) for c in (False, True))
         finally:
             os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
     return runs
 
 
-STEPS = 40
-# Gain over the lr-0 control in kB of JPEG (training images, mean of the last 10 of 40 steps; negative = smaller),
-# measured with `OMP_NUM_THREADS=1 python benchmarks/objectives.py --seeds 0 1 2` (2 ranks): see each value's comment
-# (seeds 0 / 1 / 2): guard -0.325 / -0.326 / -0.799, dppo -0.250 / -0.208 / -0.155, sliding -0.195 / -0.454 / -0.391,
-# awm -0.796 / -0.526 / -0.564 (GRPO's clip with the same two optimizer steps per rollout: -0.283 / -0.183 / -0.143).
-# Each margin is half the smallest change over the seeds; a loss with the wrong sign or no gradient gives >= 0.
-MARGINS_KB: dict[str, float] = {"guard": -0.16, "dppo": -0.075, "sliding": -0.09, "awm": -0.26}
+STEPS = 100
+# Gain over the lr-0 control in toy-world reward (training prompts, mean of the last 10 of 100 steps), measured with
+# `OMP_NUM_THREADS=1 python benchmarks/objectives.py --world toyworld --seeds 0 1 2` (2 ranks): seeds 0 / 1 / 2
+# guard +0.0230 / +0.0332 / +0.0295, dppo +0.0191 / +0.0365 / +0.0553, sliding +0.0199 / +0.0352 / +0.0262,
+# awm +0.0320 / +0.0158 / +0.0447 (GRPO's clip: +0.0234 / +0.0430 / +0.0428); GRPO's window on the first 2 of 8 steps,
+# two optimizer steps per rollout. Each margin is half the smallest gain over the seeds; a loss with the wrong sign or
+# no gradient gives about 0 (the control's own rollouts).
+MARGINS: dict[str, float] = {"guard": 0.0115, "dppo": 0.0095, "sliding": 0.0099, "awm": 0.0079}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["guard", "dppo", "sliding", "awm"])
 def test_objective_learns(objective_runs, name):
-    """Each new objective makes the tiny FLUX's images JPEG-smaller than its lr-0 control within 40 steps (seed 0) by
-    the margin chosen over 3 seeds; the GRPO variants stay on-policy at their first update. (The toy world cannot show
-    this at its current base model: GRPO itself does not raise its training reward within 30 steps; issue 31.)"""
+    """Each new objective raises the toy world's training reward (prompt following of the pretrained toy FLUX) above
+    its lr-0 control within 100 steps (seed 0) by the margin chosen over 3 seeds; the GRPO variants stay on-policy at
+    their first update."""
     trained, control = objective_runs(name)
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))
-    kb = -500 * (sum(r["reward_mean"] for r in trained[-10:]) - sum(r["reward_mean"] for r in control[-10:])) / 10
-    print(f"{name}: JPEG size {kb:+.3f} kB vs lr 0 (margin {MARGINS_KB[name]})")
-    assert kb < MARGINS_KB[name], f"{name}: JPEG size {kb:+.3f} kB vs its lr-0 control (must be < {MARGINS_KB[name]})"
+    gain = (sum(r["reward_mean"] for r in trained[-10:]) - sum(r["reward_mean"] for r in control[-10:])) / 10
+    print(f"{name}: training reward {gain:+.4f} vs lr 0 (margin {MARGINS[name]})")
+    assert gain > MARGINS[name], f"{name}: training reward {gain:+.4f} vs its lr-0 control (must be > {MARGINS[name]})"
     if name != "awm":
         assert max(r["ratio_first_update_max_dev"] for r in trained) < 1e-5
 
