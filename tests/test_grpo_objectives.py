@@ -176,6 +176,7 @@ def objective_runs(tmp_path_factory):
                                                         control=c)) for c in (False, True))
         finally:
             os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
+    runs.data_dir = root / "data"  # the toy FLUX and its embeddings, built by the first launch
     return runs
 
 
@@ -202,6 +203,50 @@ def test_objective_learns(objective_runs, name):
     assert gain > MARGINS[name], f"{name}: training reward {gain:+.4f} vs its lr-0 control (must be > {MARGINS[name]})"
     if name != "awm":
         assert max(r["ratio_first_update_max_dev"] for r in trained) < 1e-5
+
+
+# slow (~3 min); the same flags resume exactly on the tiny preset in test_variant_is_on_policy_and_resumes_exactly
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["guard", "dppo", "sliding", "awm"])
+def test_objective_resumes_exactly_in_the_toy_world(objective_runs, tmp_path, name):
+    """Each new objective with its toy-world flags (the learning runs' above), through its demo launcher on 2 ranks:
+    3 steps with a checkpoint at step 2, then the same command on a copy cut back to that checkpoint (the launchers
+    pass --resume_from latest) logs the same step 3 and the same final evaluation."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import REPO, assert_same_metrics
+
+    import objectives
+    from algorithms import LAUNCHERS, flag_list
+
+    from fastvideo.checkpoint import checkpoint_step
+
+    launcher, flags, _ = objectives.WORLDS["toyworld"][name]
+    args = [*flag_list(flags), "--seed", "0", "--max_train_steps", "3", "--checkpointing_steps", "2",
+            "--eval_max_prompts", "4", "--sample_every", "0", "--no-progress_bar"]
+
+    def launch(out):
+        env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(objective_runs.data_dir),
+               "OUTPUT_DIR": str(out), "DEMO": "toyworld", "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2"}
+        env.pop("MODEL_PATH", None)
+        proc = subprocess.run(["bash", LAUNCHERS[launcher], *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(straight)
+    shutil.copytree(straight, resumed)
+    for path in (resumed / "checkpoints").iterdir():
+        if checkpoint_step(path) > 2:
+            shutil.rmtree(path)
+    shutil.rmtree(resumed / "final")
+    launch(resumed)
+    assert_same_metrics(straight, resumed)
+    rows = read_metrics(straight / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+    assert sum("eval/reward_toyworld" in r for r in rows) == 2  # before step 1 and after step 3
 
 
 def test_checkpoints_from_before_the_new_flags_still_resume():
