@@ -28,7 +28,8 @@ import torch
 
 from fastvideo import devices, errors, models, training
 from fastvideo.config import nft_uses_old_policy, parse_nft_args, validate_nft
-from fastvideo.losses import awm_log_prob, awm_loss, nft_advantages, nft_loss, nft_old_decay, nft_optimality
+from fastvideo.losses import (awm_log_prob, awm_loss, nft_advantages, nft_loss, nft_old_decay, nft_optimality,
+                              velocity_deviation)
 from fastvideo.memory import plan_nft
 from fastvideo.rollout import awm_timesteps, forward_noise, model_velocity, nft_timesteps, rollout
 from fastvideo.training import rank_mean
@@ -108,15 +109,6 @@ def train(args: argparse.Namespace) -> None:
 # the logs that average samples (weighted by trained rows when micro-batches are padded); the rest are loss terms
 PER_SAMPLE_LOGS = frozenset({"L_pos", "L_neg", "old_deviation", "matching_loss", "weighted_matching", "ratio_mean",
                              "clipfrac", "approx_kl"})
-
-
-def old_deviation(v_theta: torch.Tensor, v_old: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """mean((v_theta - v_old)^2): over the micro-batch, or over its ``rows`` (B,) bool (a padded micro-batch)."""
-    dev = (v_theta.detach() - v_old).pow(2)
-    if rows is None:
-        return dev.mean()
-    per_row = dev.flatten(1).mean(1)
-    return (per_row * rows).sum() / rows.sum().clamp(min=1)
 
 
 def optimality_metrics(args: argparse.Namespace, adv_all: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -253,7 +245,8 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                                        keep=keep_mb, weights=weights)
                     logs = {"loss": loss, "policy_loss": m["policy_loss"], "kl": m["kl_loss"],
                             "L_pos": m["positive_loss"], "L_neg": m["negative_loss"],
-                            "old_deviation": old_deviation(v_theta, v_old, keep_mb if weights is not None else None)}
+                            "old_deviation": velocity_deviation(v_theta, v_old,
+                                                                keep_mb if weights is not None else None)}
                 run.backward(loss * scale, last_backward=mb_index == len(micro) - 1 and k == num_trained - 1)
                 for name, value in logs.items():
                     out.logs.setdefault(name, []).append(value.detach())

@@ -392,6 +392,13 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
     return loss, metrics
 
 
+def velocity_deviation(v_theta: torch.Tensor, v_old: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """NFT's ``old_deviation`` metric ``mean((v_theta - v_old)²)``: over the whole micro-batch, or (``rows`` (B,) bool,
+    a padded micro-batch) the mean of the per-sample means over those rows (``_mean``)."""
+    dev = (v_theta.detach() - v_old).pow(2)
+    return dev.mean() if rows is None else _mean(dev.flatten(1).mean(1), rows)
+
+
 def nft_old_decay(step: int, schedule: str) -> float:
     """Decay ``d`` of the old-policy update ``old <- d*old + (1-d)*theta`` after training step ``step``.
 

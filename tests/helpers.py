@@ -167,6 +167,14 @@ def assert_resume_matches(straight: Path, out: Path, step: int, args: list[str],
     """Copy the finished run ``straight`` to ``out`` as if it had stopped after ``step`` (no later checkpoint, no
     export), continue it with ``torchrun args --resume_from latest`` (``args`` writing to ``out``) and check that it
     logs the same metrics as ``straight``: a resume test at the cost of the steps after ``step`` only."""
+    cut_back(straight, out, step)
+    run_torchrun([*args, "--resume_from", "latest"], nproc=nproc)
+    assert_same_metrics(straight, out)
+
+
+def cut_back(straight: Path, out: Path, step: int) -> None:
+    """Copy the finished run ``straight`` to ``out`` as if it had stopped after ``step``: its later checkpoints and
+    its export removed (what a resume test continues from)."""
     import shutil
 
     from fastvideo.checkpoint import checkpoint_step
@@ -176,8 +184,6 @@ def assert_resume_matches(straight: Path, out: Path, step: int, args: list[str],
         if checkpoint_step(path) > step:
             shutil.rmtree(path)
     shutil.rmtree(out / "final")
-    run_torchrun([*args, "--resume_from", "latest"], nproc=nproc)
-    assert_same_metrics(straight, out)
 
 
 def comparable(row: dict) -> dict:

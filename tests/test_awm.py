@@ -257,10 +257,9 @@ def test_loss_weights_make_the_batch_mean_a_weighted_sum():
 
 def test_padded_rows_leave_nft_metrics():
     """A weighted micro-batch's padding rows (weight 0) leave nft_loss's per-sample metrics: they equal those of the
-    real rows alone; the trainer's old_deviation does the same; unweighted (the default) keeps every row's mean."""
-    from fastvideo.losses import nft_loss
-
-    import train_nft
+    real rows alone; old_deviation (velocity_deviation) does the same; unweighted (the default) keeps every row's
+    mean."""
+    from fastvideo.losses import nft_loss, velocity_deviation
 
     g = torch.Generator().manual_seed(11)
     real, pad = 3, 2
@@ -277,9 +276,9 @@ def test_padded_rows_leave_nft_metrics():
         assert padded[key].item() == pytest.approx(alone[key].item(), rel=1e-6), key
     assert plain["positive_loss"].item() != pytest.approx(alone["positive_loss"].item(), rel=1e-3)
     rows = weights > 0
-    assert train_nft.old_deviation(v_theta, v_old, rows).item() == pytest.approx(
-        train_nft.old_deviation(v_theta[:real], v_old[:real], None).item(), rel=1e-6)
-    assert torch.equal(train_nft.old_deviation(v_theta, v_old, None), (v_theta - v_old).pow(2).mean())
+    assert velocity_deviation(v_theta, v_old, rows).item() == pytest.approx(
+        velocity_deviation(v_theta[:real], v_old[:real], None).item(), rel=1e-6)
+    assert torch.equal(velocity_deviation(v_theta, v_old, None), (v_theta - v_old).pow(2).mean())
 
 
 # slow (suite time, ~20 s each): the default suite keeps the weighted losses (above), training_order's world-size

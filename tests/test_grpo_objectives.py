@@ -214,16 +214,13 @@ def test_objective_resumes_exactly_in_the_toy_world(objective_runs, tmp_path, na
     """Each new objective with its toy-world flags (the learning runs' above), through its demo launcher on 2 ranks:
     3 steps with a checkpoint at step 2, then the same command on a copy cut back to that checkpoint (the launchers
     pass --resume_from latest) logs the same step 3 and the same final evaluation."""
-    import shutil
     import subprocess
     import sys
 
-    from helpers import REPO, assert_same_metrics
+    from helpers import REPO, assert_same_metrics, cut_back
 
     import objectives
     from algorithms import LAUNCHERS, flag_list
-
-    from fastvideo.checkpoint import checkpoint_step
 
     launcher, flags, _ = objectives.WORLDS["toyworld"][name]
     args = [*flag_list(flags), "--seed", "0", "--max_train_steps", "3", "--checkpointing_steps", "2",
@@ -239,11 +236,7 @@ def test_objective_resumes_exactly_in_the_toy_world(objective_runs, tmp_path, na
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch(straight)
-    shutil.copytree(straight, resumed)
-    for path in (resumed / "checkpoints").iterdir():
-        if checkpoint_step(path) > 2:
-            shutil.rmtree(path)
-    shutil.rmtree(resumed / "final")
+    cut_back(straight, resumed, 2)
     launch(resumed)
     assert_same_metrics(straight, resumed)
     rows = read_metrics(straight / "metrics.jsonl")
