@@ -26,15 +26,30 @@ def free_port() -> int:
 def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 600, env: dict | None = None,
                  cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node nproc args...` on CPU/gloo; raises with the output if it fails."""
+    # PYTHONFAULTHANDLER: a rank that dies by a signal (a native abort in gloo, a segfault) prints its Python stack
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                **(env or {})}
+                "PYTHONFAULTHANDLER": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}): {' '.join(cmd)}\n"
-                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{stderr_excerpt(proc.stderr)}")
     return proc
+
+
+CRASH_MARKERS = ("Fatal Python error", "terminate called")
+
+
+def stderr_excerpt(stderr: str, head: int = 3000, tail: int = 6000) -> str:
+    """A failed run's stderr: its end, plus the first native crash report (``Fatal Python error``: a rank's
+    fatal-signal stack, ``terminate called``: a C++ abort) or else its start. The rank that failed first printed its
+    error long before the other ranks' tracebacks that fill the end."""
+    if len(stderr) <= head + tail:
+        return stderr
+    starts = [i for i in (stderr.find(m) for m in CRASH_MARKERS) if 0 <= i < len(stderr) - tail]
+    at = min(starts, default=0)
+    return f"{stderr[at:at + head]}\n[...]\n{stderr[-tail:]}"
 
 
 def make_embeddings(model_dir: Path, out: Path, num_prompts: int, *extra: str, prompt_file: Path | None = None) -> Path:

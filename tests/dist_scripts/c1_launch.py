@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +33,25 @@ def dist_results(model_dir: Path, tmp_path_factory) -> DistResults:
     """Run the 2-rank CPU/gloo checks once (cached for the pytest session)."""
     key = str(model_dir)
     if key not in _RESULTS:
-        work_dir = tmp_path_factory.mktemp("c1-dist")
-        try:
-            proc = run_torchrun([str(SCRIPT), str(model_dir), str(work_dir)], nproc=2, timeout=600)
-            output = proc.stdout + "\n" + proc.stderr
-        except AssertionError as err:  # non-zero exit: keep whatever checks reported
-            output = str(err)
+        output, work_dir = _launch(model_dir, tmp_path_factory)
+        if SIGNAL_EXIT.search(output):
+            # A rank died by a signal (CI once saw SIGABRT in a rank inside gloo, after 10 clean runs here, with no
+            # Python error): run the checks once more, and say so in the warnings summary with the first crash.
+            warnings.warn(f"C1 checks: a rank died by a signal; ran them again. First run:\n{output[-9000:]}")
+            output, work_dir = _launch(model_dir, tmp_path_factory)
         status = {m.group(1): m.group(2) == "OK" for m in re.finditer(r"^CHECK (\S+) (OK|FAIL)", output, re.M)}
         _RESULTS[key] = DistResults(status=status, output=output, work_dir=work_dir)
     return _RESULTS[key]
+
+
+SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-\d+")  # torchrun's failure summary of a rank killed by a signal
+
+
+def _launch(model_dir: Path, tmp_path_factory) -> tuple[str, Path]:
+    """One run of the checks: (stdout + stderr, or the failure message with their ends; its work folder)."""
+    work_dir = tmp_path_factory.mktemp("c1-dist")
+    try:
+        proc = run_torchrun([str(SCRIPT), str(model_dir), str(work_dir)], nproc=2, timeout=600)
+        return proc.stdout + "\n" + proc.stderr, work_dir
+    except AssertionError as err:  # non-zero exit: keep whatever checks reported
+        return str(err), work_dir
