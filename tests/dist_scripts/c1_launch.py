@@ -44,7 +44,10 @@ def dist_results(model_dir: Path, tmp_path_factory) -> DistResults:
     return _RESULTS[key]
 
 
-SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-\d+")  # torchrun's failure summary of a rank killed by a signal
+# torchrun's report of the first rank to fail, when a signal killed it (not a rank that raised, whose peers the agent
+# then stops): its agent's "failed (exitcode: -6)" line or its summary's root cause
+SIGNAL_EXIT = re.compile(r"failed \(exitcode: -\d+\)"
+                         r"|Root Cause \(first observed failure\):.*?exitcode\s*:\s*-\d+", re.S)
 
 
 def _launch(model_dir: Path, tmp_path_factory) -> tuple[str, Path]:
