@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastvideo.toyworld.scenes import (COLOR_NAMES, COLORS, HELDOUT_PAIRS, MARGIN, RELATIONS, SHAPES, PlacedObject,
-                                       SceneSpec, all_prompts, draw, format_prompt, layout, parse_prompt,
+from fastvideo.toyworld.scenes import (COLOR_NAMES, COLORS, HELDOUT_OBJECT_PAIRS, MARGIN, RELATIONS, SHAPES,
+                                       PlacedObject, SceneSpec, all_prompts, draw, format_prompt, layout, parse_prompt,
                                        relation_margin, render, render_batch, render_prompt, shape_mask, side_range,
                                        split_prompts, to_tensor)
 from fastvideo.toyworld.verify import SCORE_KEYS, detect_objects, score_batch, score_image
@@ -74,17 +74,27 @@ def test_parser_errors(text, match):
         parse_prompt(text)
 
 
-def test_split_by_heldout_pairs():
+def test_split_holds_out_unseen_pairs_of_known_objects():
+    """Held out: the two-group prompts whose two objects form a HELDOUT_OBJECT_PAIRS pair. Every object (with every
+    count), every relation and every other object pair is in training; no held-out pair of objects is."""
     train, heldout = split_prompts(seed=0)
     assert train == sorted(train) and heldout == sorted(heldout)
     assert not set(train) & set(heldout) and set(train) | set(heldout) == set(all_prompts())
-    assert (len(train), len(heldout)) == (1467, 1161)
+    assert (len(train), len(heldout)) == (1956, 672)
+    objects = [(c, s) for c in COLOR_NAMES for s in SHAPES]
+    all_pairs = {frozenset(p) for p in itertools.combinations(objects, 2) if p[0][0] != p[1][0]}
+    assert len(all_pairs) == 54 and len(HELDOUT_OBJECT_PAIRS) == 14 and HELDOUT_OBJECT_PAIRS < all_pairs
+
+    def pair(prompt):
+        groups = parse_prompt(prompt).groups
+        return frozenset((c, s) for _, c, s in groups) if len(groups) == 2 else None
+
     for prompt in all_prompts():
-        pairs = {(c, s) for _, c, s in parse_prompt(prompt).groups}
-        assert bool(pairs & HELDOUT_PAIRS) == (prompt in heldout)
-    train_pairs = {(c, s) for p in train for _, c, s in parse_prompt(p).groups}
-    assert {c for c, _ in train_pairs} == set(COLOR_NAMES) and {s for _, s in train_pairs} == set(SHAPES)
-    assert not train_pairs & HELDOUT_PAIRS
+        assert (pair(prompt) in HELDOUT_OBJECT_PAIRS) == (prompt in heldout)
+    assert {pair(p) for p in heldout} == HELDOUT_OBJECT_PAIRS
+    assert {pair(p) for p in train} - {None} == all_pairs - HELDOUT_OBJECT_PAIRS
+    groups = {g for p in train for g in parse_prompt(p).groups}
+    assert groups == set(itertools.product((1, 2, 3), COLOR_NAMES, SHAPES))  # every object with every count
     assert {parse_prompt(p).relation for p in train} == set(RELATIONS) | {None}
     assert split_prompts(seed=1) == (train, heldout)
 
