@@ -751,8 +751,9 @@ def _shown(args: argparse.Namespace, key: str) -> str:
 def resolve_layer_conflicts(parser: argparse.ArgumentParser, args: argparse.Namespace,
                             layers: Sequence[tuple[str, Sequence[str]]]) -> list[str]:
     """Let a lower layer's value yield where it conflicts with a higher layer's flag (``EXCLUSIONS``): e.g. a demo's
-    ``--timestep_fraction 1.0`` (its --config file) under the user's ``--sde_window_size 2`` is reset to its default.
-    Conflicts within one layer are left to the validators (an error naming both flags). Returns the notes to print."""
+    ``--sde_window_size 2`` (its --config file) under the user's ``--timestep_fraction 0.5`` is reset to its default,
+    and then the demo's ``--sde_window_range``, which needs a size. Conflicts within one layer are left to the
+    validators (an error naming both flags). Returns the notes to print."""
     dests = {a.dest for a in parser._actions}
     origin: dict[str, int] = {}  # flag -> index of the highest layer that sets it
     for index, (_, tokens) in enumerate(layers):
@@ -760,16 +761,25 @@ def resolve_layer_conflicts(parser: argparse.ArgumentParser, args: argparse.Name
             origin[key] = index
     defaults = {key: parser.get_default(key) for key in dests}
     notes = []
-    for ex in EXCLUSIONS:
-        if ex.a not in dests or ex.b not in dests or ex.a not in origin or ex.b not in origin:
-            continue
-        if origin[ex.a] == origin[ex.b] or not ex.clash(args, defaults):
-            continue
-        low, high = (ex.a, ex.b) if origin[ex.a] < origin[ex.b] else (ex.b, ex.a)
-        notes.append(f"{_shown(args, low)} (from {layers[origin[low]][0]}) dropped: {_shown(args, high)} (from "
-                     f"{layers[origin[high]][0]}) excludes it")
-        setattr(args, low, defaults[low])
-        del origin[low]
+    reset: set[str] = set()  # values reset by a drop: they count as the dropping layer's, so a lower layer's value
+    changed = True           # that clashes with the reset one is dropped too (a demo's --sde_window_range once its
+    while changed:           # --sde_window_size yields to the user's --timestep_fraction)
+        changed = False
+        for ex in EXCLUSIONS:
+            if ex.a not in dests or ex.b not in dests or ex.a not in origin or ex.b not in origin:
+                continue
+            if origin[ex.a] == origin[ex.b] or not ex.clash(args, defaults):
+                continue
+            low, high = (ex.a, ex.b) if origin[ex.a] < origin[ex.b] else (ex.b, ex.a)
+            if low in reset:  # already at its default: the validators name what still clashes
+                continue
+            by = "reset above" if high in reset else f"from {layers[origin[high]][0]}"
+            notes.append(f"{_shown(args, low)} (from {layers[origin[low]][0]}) dropped: {_shown(args, high)} ({by}) "
+                         f"excludes it")
+            setattr(args, low, defaults[low])
+            origin[low] = origin[high]
+            reset.add(low)
+            changed = True
     return notes
 
 

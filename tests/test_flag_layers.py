@@ -146,6 +146,25 @@ def test_a_conflict_within_one_config_file_is_left_to_the_validator(tmp_path, ti
         validate(args, 1)
 
 
+def test_a_value_reset_by_a_drop_makes_its_partner_yield(tmp_path, tiny_flux_dir, tiny_data, capsys):
+    """The GRPO toy-world demo's window (--sde_window_size 2 --sde_window_range 0 2) under the user's
+    --timestep_fraction: the size yields, and the range, which needs a size, yields after it (one note each); the run
+    validates instead of refusing a range the user never passed."""
+    parser, validate, base, _ = _setup(tmp_path, tiny_flux_dir, tiny_data, "grpo")
+    demo = tmp_path / "demo.yaml"
+    demo.write_text(yaml.safe_dump({"sde_window_size": 2, "sde_window_range": [0, 2], "learning_rate": 5e-5}))
+    args = C.parse_with_config(parser(), ["--config", str(demo), *_tokens(parser(), base),
+                                          "--timestep_fraction", "0.5"])
+    assert (args.sde_window_size, args.sde_window_range, args.timestep_fraction, args.learning_rate) == (
+        0, parser().get_default("sde_window_range"), 0.5, 5e-5)
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert notes == [f"note: --sde_window_size 2 (from --config {demo}) dropped: --timestep_fraction 0.5 (from the "
+                     "command line) excludes it",
+                     f"note: --sde_window_range 0 2 (from --config {demo}) dropped: --sde_window_size 0 (reset above) "
+                     "excludes it"]
+    validate(args, 1)
+
+
 def test_later_config_files_override_earlier_ones(tmp_path, tiny_flux_dir, tiny_data):
     """--config is repeatable: a later file's value wins, the command line wins over both, and a later file's flag
     makes an earlier file's conflicting value yield."""
