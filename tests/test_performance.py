@@ -1,5 +1,6 @@
 """Performance issue: the FLOP formula against torch's counter, the peak measurement, micro-batched reward, the CPU
-peak-memory reset, --compile, and the full-step benchmark's smoke run (every key finite, the loops' gradients equal)."""
+peak-memory reset, --compile, and the full-step benchmark's smoke run (every key finite, the loops' gradients equal) and
+its --reward_delay_ms run (overlapped scoring saves step time)."""
 from __future__ import annotations
 
 import json
@@ -156,6 +157,40 @@ def test_bench_step_smoke(tmp_path):
         if dtype == "fp32":  # the same samples, the same weights: batch-1 training gives our gradients
             assert check["grad_rel_diff"] < 1e-5, check
             assert res["ours"]["reward_mean_first_step"] == res["reference"]["reward_mean_first_step"]
+
+
+# slow for the default suite's time (~30 s): the overlap it times is checked bit for bit in test_reward_overlap.py
+@pytest.mark.slow
+def test_bench_step_reward_delay_reports_the_overlap_saving(tmp_path):
+    """benchmarks/bench_step.py --reward_delay_ms 100, its smallest run (tiny preset, 1 rank, fp32, 4 images in
+    rollout micro-batches of 1, 8 sampling steps: ~40 ms to sample and decode one, under the 100 ms the reward server
+    sleeps per image): loops ours (sequential scoring) and overlap on the same samples; each scores 4 x 100 ms per
+    step, the overlapped step waits less for it and is faster, and the table reports the JSON's numbers."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--preset", "tiny", "--nproc",
+                           "1", "--dtypes", "fp32", "--loops", "ours", "--steps", "2", "--warmup", "1",
+                           "--sampling_steps", "8", "--num_generations", "4", "--prompts_per_step", "1",
+                           "--rollout_batch_size", "1", "--max_sequence_length", "16", "--reward_delay_ms", "100",
+                           "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["config"]["loops"] == ["ours", "overlap"] and summary["config"]["reward_delay_ms"] == 100
+    res = summary["results"]["fp32"]
+    ours, overlap = res["ours"], res["overlap"]
+    for loop in (ours, overlap):
+        assert math.isfinite(loop["step_seconds"]) and loop["step_seconds"] > 0
+        assert sum(loop["phase_fractions"].values()) == pytest.approx(1, abs=1e-6)
+        assert loop["reward_busy_seconds"] >= 4 * 0.1  # the server's sleep: 4 images a step, one per request
+    assert ours["reward_seconds"] == ours["reward_busy_seconds"]  # sequential: the step waits for all of it
+    assert overlap["reward_seconds"] < overlap["reward_busy_seconds"] - 0.05  # some of it hid behind the sampling
+    assert overlap["reward_mean_first_step"] == ours["reward_mean_first_step"]  # the same images, the same scores
+    saving = 1 - overlap["step_seconds"] / ours["step_seconds"]
+    assert res["overlap_step_saving"] == summary["overlap_step_saving"] == pytest.approx(saving, rel=1e-12)
+    # the 3 later micro-batches sample while the earlier ones are scored: most of their sampling time is saved
+    sampling = ours["phase_seconds"]["rollout"] + ours["phase_seconds"]["decode"]
+    assert ours["step_seconds"] - overlap["step_seconds"] > 0.25 * sampling > 0, (ours, overlap)
+    assert (f"overlap vs sequential scoring (100 ms per image at the reward server): step {ours['step_seconds']:.3f} "
+            f"-> {overlap['step_seconds']:.3f} s, overlap_step_saving = {saving:.1%}") in proc.stdout
 
 
 def _bench_step_module():

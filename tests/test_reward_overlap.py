@@ -4,6 +4,7 @@ with its message, without a hang."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -184,22 +185,56 @@ TRAINERS = {"grpo": ("train_grpo_flux.py", "--eta", "1.0", "--timestep_fraction"
             "nft": ("train_nft.py", "--kl_beta", "0.01", "--max_train_steps", "2")}
 
 
-# DPO's and NFT's are slow (suite time, ~25 s a pair): they call the same Run.pending_rewards / score_rollout as GRPO
-@pytest.mark.parametrize("trainer", ["grpo", pytest.param("dpo", marks=pytest.mark.slow),
-                                     pytest.param("nft", marks=pytest.mark.slow)])
-def test_overlapped_and_sequential_scoring_give_identical_metrics(trainer, toy_world, tmp_path):
-    """The same 2-step run with and without --reward_overlap logs the same metrics bit for bit (timings aside), and
-    the overlapped run logs how long the step waited (time_reward) and how long the scorer worked
-    (time_reward_busy)."""
+# One torchrun job runs the trainers given as JSON [[script, [args...]], ...] one after another in the same two
+# processes and process group (each run's cleanup leaves it for the next; a group destroyed and created again per run
+# hung at the fifth in a trial): one start-up (imports, group), not six.
+IN_ONE_JOB = '''
+import json, runpy, sys
+import torch.distributed as dist
+sys.path.insert(0, {repo!r})
+
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda group=None: None  # fastvideo.distributed.cleanup: keep the group for the next run
+for script, args in json.loads(sys.argv[1]):
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+destroy()
+'''
+
+
+@pytest.fixture(scope="module")
+def overlap_runs(toy_world, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Each trainer's 2-step run, sequential and with --reward_overlap, in one 2-rank job (~50 s for the six runs,
+    ~130 s as six jobs): ``{trainer: {"sequential": OUT, "overlap": OUT}}``."""
+    root = tmp_path_factory.mktemp("overlap")
+    driver = root / "in_one_job.py"
+    driver.write_text(IN_ONE_JOB.format(repo=str(REPO)))
+    outs = {name: {mode: root / f"{name}-{mode}" for mode in ("sequential", "overlap")} for name in TRAINERS}
+    runs = []
+    for name, (script, *flags) in TRAINERS.items():
+        for mode, out in outs[name].items():
+            args = _trainer_args(script, toy_world, out, *flags, *(["--reward_overlap"] if mode == "overlap" else []))
+            runs.append((args[0], args[1:]))
+    run_torchrun([str(driver), json.dumps(runs)])
+    return outs
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_overlapped_and_sequential_scoring_give_identical_metrics(trainer, overlap_runs):
+    """The same 2-step run (2 rollout micro-batches per rank, the second sampled while the first is scored) with and
+    without --reward_overlap logs the same metrics bit for bit (timings aside), and the overlapped run logs how long
+    the step waited (time_reward) and how long the scorer worked (time_reward_busy)."""
     from fastvideo.logging import read_metrics
 
-    script, *flags = TRAINERS[trainer]
-    runs = {mode: tmp_path / mode for mode in ("sequential", "overlap")}
-    run_torchrun(_trainer_args(script, toy_world, runs["sequential"], *flags))
-    run_torchrun(_trainer_args(script, toy_world, runs["overlap"], *flags, "--reward_overlap"))
+    runs = overlap_runs[trainer]
     assert_same_metrics(runs["sequential"], runs["overlap"])
     for mode, out in runs.items():
-        for row in read_metrics(out / "metrics.jsonl"):
+        config = json.loads((out / "config.json").read_text())
+        assert config["reward_overlap"] == (mode == "overlap")
+        assert config["batch_arithmetic"]["samples_per_step"] // 2 // config["rollout_batch_size"] == 2  # per rank
+        rows = read_metrics(out / "metrics.jsonl")
+        assert [row["step"] for row in rows] == [1, 2], (mode, rows)
+        for row in rows:
             assert row["time_reward_busy"] > 0 and row["time_reward"] >= 0, (mode, row)
             if mode == "sequential":
                 assert row["time_reward"] == row["time_reward_busy"]

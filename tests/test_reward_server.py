@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import importlib.util
 import json
 import statistics
 import threading
@@ -12,7 +13,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from helpers import free_port
+from helpers import REPO, free_port
 
 from fastvideo.rewards import build_reward, parse_reward_items, parse_reward_spec
 from fastvideo.rewards.http import TOKEN_ENV, RewardServerError, request
@@ -173,6 +174,34 @@ def test_weighted_sum_with_a_local_reward(toy_server, token, toy_local):
     assert torch.equal(mixed["total"], torch.zeros(4) + 1.0 * local["toyworld"] + 0.5 * local["total"])
     assert torch.equal(mixed["toyworld_strict"], local["toyworld_strict"])
     assert_remote_equals_local(local, mixed)
+
+
+def test_sample_py_with_a_remote_reward_writes_the_local_rewards_scores(toy_server, token, toy_world, tmp_path):
+    """sample.py --reward remote:URL (the toy-world FLUX, 2 prompts x 2 images, in batches of 3 so that a batch of 1
+    goes too) writes the same images as with --reward toyworld, and its index and summary.json hold the local
+    reward's scores bit for bit: ``total`` and ``remote`` equal to its total, ``remote_<check>`` to each check."""
+    spec = importlib.util.spec_from_file_location("sample_script", REPO / "sample.py")
+    sample = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample)
+    outs = {"local": tmp_path / "local", "remote": tmp_path / "remote"}
+    for name, reward in (("local", "toyworld:1.0"), ("remote", f"remote:{toy_server}")):
+        sample.main(["--pretrained_model_name_or_path", str(toy_world["model"]), "--prompts", str(toy_world["train"]),
+                     "--max_prompts", "2", "--num_images_per_prompt", "2", "--batch_size", "3", "--h", "32", "--w",
+                     "32", "--num_inference_steps", "3", "--shift", "1", "--device", "cpu", "--reward", reward,
+                     "--output_dir", str(outs[name])])
+    rows = {name: [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+            for name, out in outs.items()}
+    summaries = {name: json.loads((out / "summary.json").read_text()) for name, out in outs.items()}
+    assert len(rows["local"]) == len(rows["remote"]) == summaries["remote"]["num_images"] == 4
+    checks = [key for key in summaries["local"]["rewards"] if key.startswith("toyworld_")]
+    assert checks and summaries["local"]["rewards"]["total"]["mean"] > 0  # a toy-world prompt scored, not all zeros
+    same = {"total": "total", "remote": "total", **{f"remote_{key}": key for key in ["toyworld", *checks]}}
+    assert list(summaries["remote"]["rewards"]) == list(same)
+    for remote_key, local_key in same.items():
+        assert summaries["remote"]["rewards"][remote_key] == summaries["local"]["rewards"][local_key], remote_key
+    for local, remote in zip(rows["local"], rows["remote"]):
+        assert (outs["local"] / local["path"]).read_bytes() == (outs["remote"] / remote["path"]).read_bytes()
+        assert {k: remote[k] for k in same} == {k: local[v] for k, v in same.items()}, (local, remote)
 
 
 def test_requests_are_cut_to_the_servers_size_limit(toy_server, token, toy_local):
