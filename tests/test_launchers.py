@@ -44,7 +44,7 @@ def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (demo_data_dir / "toy-flux" / "toyworld.json").is_file()
-    for split, count in (("train", 1467), ("heldout", 1161)):
+    for split, count in (("train", 1956), ("heldout", 672)):
         manifest = json.loads((demo_data_dir / f"toyworld-{split}" / "manifest.json").read_text())
         assert manifest["num_prompts"] == count and manifest["max_sequence_length"] == 16
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -341,17 +341,19 @@ def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
 
 @pytest.mark.slow  # default-suite time; the layers and one-line errors: tests/test_flag_layers.py (default)
 def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp_path, demo_data_dir):
-    """Appending a flag that excludes one of the demo's values (the demo's --timestep_fraction 1.0 under
-    --sde_window_size 2) trains, the demo value dropped with a note; a bad flag is one line, exit status 2, from the
-    launcher's check before torchrun starts (no torchrun output, no traceback)."""
+    """Appending a flag that excludes one of the demo's values (the demo's --sde_window_size 2 under
+    --timestep_fraction 0.5, and then its --sde_window_range, which needs a size) trains, the demo values dropped with
+    a note each; a bad flag is one line, exit status 2, from the launcher's check before torchrun starts (no torchrun
+    output, no traceback)."""
     env = _demo_env(tmp_path, demo_data_dir)
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sde_type", "cps", "--sde_window_size", "2",
+    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sde_type", "cps", "--timestep_fraction", "0.5",
                            "--max_train_steps", "1", "--eval_max_prompts", "4", "--sample_every", "0"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "note: --timestep_fraction 1.0 (from --config scripts/demos/grpo_toyworld.yaml) dropped" in proc.stderr
+    assert "note: --sde_window_size 2 (from --config scripts/demos/grpo_toyworld.yaml) dropped" in proc.stderr
+    assert "note: --sde_window_range 0 2 (from --config scripts/demos/grpo_toyworld.yaml) dropped" in proc.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["sde_type"], config["sde_window_size"], config["timestep_fraction"]) == ("cps", 2, None)
+    assert (config["sde_type"], config["sde_window_size"], config["timestep_fraction"]) == ("cps", 0, 0.5)
     assert config["config"] == ["scripts/demos/toyworld.yaml", "scripts/demos/grpo_toyworld.yaml"]
 
     bad = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--clip_range", "0"], cwd=REPO,

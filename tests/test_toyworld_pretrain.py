@@ -74,11 +74,12 @@ def test_pretrain_config_is_checked():
 # slow for the default suite's time: the toy world's reward and model run in the default suite in
 # test_train_toyworld.py
 @pytest.mark.slow
-def test_shipped_model_follows_training_prompts_not_heldout_pairs(tmp_path):
+def test_shipped_model_follows_training_prompts_and_composes_heldout_pairs(tmp_path):
     """Seeded: 128 train and 128 held-out prompts, ODE samples at the recommended settings (32 px, 8 Euler steps, no
-    CFG), scored by the verifier. Training prompts: mostly right (eval.json, 256 prompts: score 0.824, strict 0.453);
-    held-out prompts: colour, count and position above chance, shape at chance (it never saw a yellow triangle, a blue
-    circle or a green square and does not compose them: eval.json shape 0.201, strict 0.031)."""
+    CFG), scored by the verifier (here: train score 0.799, strict 0.508; held-out score 0.670, strict 0.328, shape
+    0.469). Held-out prompts pair two known objects never seen together; the model composes them well above chance
+    (issue 31's bars: held-out strict >= 0.15, training strict >= 0.25), below its training-prompt accuracy (room for
+    RL)."""
     folder = build_from_shipped(tmp_path / "toy")
     shipped_eval = json.loads((SHIPPED / EVAL_FILE).read_text())
     info = json.loads((folder / INFO_FILE).read_text())
@@ -89,17 +90,18 @@ def test_shipped_model_follows_training_prompts_not_heldout_pairs(tmp_path):
     geometry = flux.latent_geometry(vae, cfg.size, cfg.size)
     with torch.no_grad():
         result = evaluate(transformer, vae, encoders, cfg, geometry, num_prompts=128)
-    # chance (a valid scene of another prompt, docs/toy-world.md): score 0.25 / 0.28, colour 0.50,
-    # shape 0.21 / 0.27, count 0.20 / 0.22, position 0.10 / 0.08, strict 0.004 (train / held-out)
+    # chance (a valid scene of another prompt, docs/toy-world.md): score ~0.25, colour 0.50, shape ~0.21, count ~0.20,
+    # position ~0.10, strict 0.004
     train, heldout = result["train"], result["heldout"]
     assert train["score"] > 0.7 and train["strict"] >= 0.3, train
-    assert train["color"] > 0.95 and train["shape"] > 0.7 and train["count"] > 0.7 and train["position"] > 0.45, train
-    assert 0.38 < heldout["score"] < 0.6 and heldout["strict"] < 0.15, heldout
-    assert heldout["color"] > 0.8 and heldout["count"] > 0.28 and heldout["position"] > 0.2, heldout
-    assert heldout["shape"] < 0.35, heldout  # the unseen colour-shape pairs are not composed
+    assert train["color"] > 0.95 and train["shape"] > 0.65 and train["count"] > 0.65 and train["position"] > 0.55, train
+    assert 0.55 < heldout["score"] < train["score"] and 0.15 <= heldout["strict"] < train["strict"], heldout
+    assert heldout["color"] > 0.9 and heldout["shape"] > 0.35 and heldout["count"] > 0.5, heldout
+    assert heldout["position"] > 0.4, heldout
     # the shipped eval.json (256 prompts per split) agrees with this 128-prompt evaluation
     for split in ("train", "heldout"):
         assert abs(shipped_eval[split]["score"] - result[split]["score"]) < 0.05
+    assert shipped_eval["heldout"]["strict"] >= 0.15 and shipped_eval["train"]["strict"] >= 0.25, shipped_eval
 
 
 def test_prompt_files(tmp_path):
