@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -15,6 +16,17 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 # metrics that depend on the machine's speed or memory, not on the computation (left out when runs are compared)
 TIMING_KEYS = ("time_", "samples_per_s", "peak_memory_gb", "memory_baseline_gb", "tflops_", "mfu")
+
+
+def load_script(path: Path, name: str, register: bool = False):
+    """A top-level script (sample.py, preprocess_embeddings.py, a benchmark) loaded as module ``name``, to call its
+    ``main`` in this process; ``register``: put it in sys.modules first (dataclasses defined in it look it up)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

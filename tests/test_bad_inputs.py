@@ -4,7 +4,6 @@ loads nothing unsafely (no pickles, no shell, no remote code)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 import shutil
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, validate_flags
+from helpers import REPO, load_script, validate_flags
 
 from fastvideo.models import flux
 from fastvideo.config import parse_grpo_args, validate_grpo
@@ -326,7 +325,4 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
 # ------------------------------------------------------------------------------------------------- helpers
 def _preprocess_main(argv: list[str]) -> None:
     """preprocess_embeddings.main in this process (its input checks run before any encoder loads)."""
-    spec = importlib.util.spec_from_file_location("preprocess_embeddings", REPO / "preprocess_embeddings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
+    load_script(REPO / "preprocess_embeddings.py", "preprocess_embeddings").main(argv)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 from fastvideo import devices, flops, parallel
 from fastvideo.models import flux
@@ -194,13 +195,7 @@ def test_bench_step_reward_delay_reports_the_overlap_saving(tmp_path):
 
 
 def _bench_step_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "benchmarks" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "bench_step.py", "bench_step", register=True)
 
 
 # slow for the default suite's time: the FLUX.1-dev widths are traced in test_fake_cuda.py and planned in

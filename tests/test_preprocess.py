@@ -1,7 +1,6 @@
 """preprocess_embeddings.py under torchrun: rank-count invariance, equality with FluxPipeline, resume, errors."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import os
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, run_torchrun
+from helpers import REPO, load_script, run_torchrun
 
 from fastvideo.data import EmbeddingDataset
 
@@ -38,10 +37,7 @@ def _preprocess(model, prompt_file, out, nproc):
 
 def _main_in_process(argv):
     """Run preprocess_embeddings.main in this process (world size 1, no subprocess start-up)."""
-    spec = importlib.util.spec_from_file_location("preprocess_embeddings", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main([str(a) for a in argv])
+    load_script(SCRIPT, "preprocess_embeddings").main([str(a) for a in argv])
 
 
 def _refused(capsys, argv, pattern: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import http.server
-import importlib.util
 import json
 import statistics
 import threading
@@ -13,7 +12,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from helpers import REPO, free_port
+from helpers import REPO, free_port, load_script
 
 from fastvideo.rewards import build_reward, parse_reward_items, parse_reward_spec
 from fastvideo.rewards.http import TOKEN_ENV, RewardServerError, request
@@ -180,9 +179,7 @@ def test_sample_py_with_a_remote_reward_writes_the_local_rewards_scores(toy_serv
     """sample.py --reward remote:URL (the toy-world FLUX, 2 prompts x 2 images, in batches of 3 so that a batch of 1
     goes too) writes the same images as with --reward toyworld, and its index and summary.json hold the local
     reward's scores bit for bit: ``total`` and ``remote`` equal to its total, ``remote_<check>`` to each check."""
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "sample.py")
-    sample = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sample)
+    sample = load_script(REPO / "sample.py", "sample_script")
     outs = {"local": tmp_path / "local", "remote": tmp_path / "remote"}
     for name, reward in (("local", "toyworld:1.0"), ("remote", f"remote:{toy_server}")):
         sample.main(["--pretrained_model_name_or_path", str(toy_world["model"]), "--prompts", str(toy_world["train"]),

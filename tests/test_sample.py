@@ -2,7 +2,6 @@
 for the base model, a LoRA and a full fine-tune; rewards and their summary; --compare; errors before loading."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, run_torchrun
+from helpers import REPO, load_script, run_torchrun
 
 from fastvideo.data import EmbeddingDataset
 from fastvideo.seeding import NoiseSource
@@ -158,10 +157,7 @@ def test_lora_and_full_finetune_equal_flux_pipeline_and_compare_grid(tiny_flux_d
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "sample.py", "sample_script")
 
 
 def test_errors_name_the_fix_before_loading(tiny_flux_dir, prompts, base_run, tmp_path):

@@ -4,7 +4,6 @@ base model; bad inputs fail before anything loads."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, load_script
 
 H = W = 64
 STEPS = 3
@@ -85,10 +84,7 @@ def full_sampled(full_run) -> Path:
 
 
 def _sample_module():
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "sample.py", "sample_script")
 
 
 def _rows(out: Path) -> list[dict]:
