@@ -252,7 +252,8 @@ class PlanOptions:
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility, toyworld, toyworld_clean; over HTTP: "
+                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean; weight 0 "
+                                   "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
                                    "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
                                    "as judge; replicas http://A:PORT|http://B:PORT, a second server of one kind "

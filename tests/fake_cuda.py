@@ -905,7 +905,7 @@ def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Pa
     family = models.resolve("auto", model_dir)
     (work_dir / "manifest.json").write_text("{}")  # flag validation only checks that it exists
     vae = family.load_vae(model_dir, dtype=torch.bfloat16, device=device)
-    reward = build_reward("hpsv2:1.0,toyworld:1.0", device, hps_checkpoint=str(hps_checkpoint),
+    reward = build_reward("hpsv2:1.0,toyworld:1.0,toyworld_strict:1.0", device, hps_checkpoint=str(hps_checkpoint),
                           hps_model=str(hps_model))
     return Shared(model_dir, work_dir, size, family.latent_geometry(model_dir, size, size), vae, reward,
                   list(all_prompts()[:16]), rows, extra_flags)

@@ -304,6 +304,29 @@ def test_toyworld_reward_in_registry():
     assert "toyworld_strict" in mixed and "jpeg_compressibility" in mixed
 
 
+def test_toyworld_strict_reward_trains_on_the_strict_check_alone():
+    """``toyworld_strict`` (the GRPO demo's training reward, beside ``toyworld`` at weight 0) is 1 only when every
+    check passes; the total is the strict check while the logs keep the mean and each check."""
+    from fastvideo.rewards import REWARD_NAMES, build_reward, check_reward_prompts
+
+    assert "toyworld_strict" in REWARD_NAMES
+    prompts = ["two red circles left of a blue square", "a yellow triangle", "a green circle below two red squares",
+               "a blue circle above a green square"]
+    images = render_batch(prompts, 32, seeds=[0, 1, 2, 3])
+    images[2] = to_tensor(render_prompt("a green circle above two red squares", 32, 2))  # position wrong
+    images[3] = to_tensor(render_prompt("a blue square above a green circle", 32, 3))  # shapes swapped
+    alone = build_reward("toyworld_strict:1.0", "cpu")(images, prompts)
+    assert list(alone) == ["total", "toyworld_strict"]
+    torch.testing.assert_close(alone["total"], torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    demo = build_reward("toyworld:0.0,toyworld_strict:1.0", "cpu")(images, prompts)
+    assert list(demo) == ["total", "toyworld", "toyworld_strict", "toyworld_color", "toyworld_shape",
+                          "toyworld_count", "toyworld_position"]
+    assert torch.equal(demo["total"], alone["total"]) and torch.equal(demo["toyworld_strict"], alone["total"])
+    torch.testing.assert_close(demo["toyworld"], torch.tensor([1.0, 1.0, 0.75, 0.75]))  # the mean, logged, untrained
+    with pytest.raises(ValueError, match="toy-world prompts only.*line 2: 'a cat'"):
+        check_reward_prompts("toyworld_strict:1.0", ["a red circle", "a cat"], "--data_json_path d")
+
+
 def test_toyworld_reward_errors():
     from fastvideo.rewards import build_reward
 

@@ -17,6 +17,9 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
   jpeg_incompressibility  (no weights) +size_kB/500
   toyworld                (no weights) toy-world prompt following by pixel analysis: score = mean of colour, shape,
                           count and position checks; also logs toyworld_strict/_color/_shape/_count/_position
+  toyworld_strict         (no weights) the strict check alone as a reward: 1 when all four checks pass, else 0 (logged
+                          as toyworld_strict, the key toyworld logs it under; the GRPO toy-world demo trains on it
+                          with toyworld:0 beside it, a weight of 0 logging a reward without training on it)
   toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
                           score = mean of background fidelity, stray pixels and colour purity; also logs
                           toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
@@ -55,6 +58,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "jpeg_incompressibility": ("fastvideo.rewards.jpeg", "build_incompressibility"),
     "toyworld": ("fastvideo.rewards.toyworld", "build"),
     "toyworld_clean": ("fastvideo.rewards.toyworld", "build_clean"),
+    "toyworld_strict": ("fastvideo.rewards.toyworld", "build_strict"),
 }
 # Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
 # build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
@@ -72,7 +76,8 @@ _URL_NAME = re.compile(r"(?P<family>[a-z_]+)(?:\.(?P<label>[A-Za-z0-9_]+))?")
 
 # Rewards that score only some prompts: name -> (module, function(prompts) raising ValueError), run on the training and
 # evaluation prompts before any model loads.
-_PROMPT_CHECKS: dict[str, tuple[str, str]] = {"toyworld": ("fastvideo.rewards.toyworld", "check_prompts")}
+_PROMPT_CHECKS: dict[str, tuple[str, str]] = {"toyworld": ("fastvideo.rewards.toyworld", "check_prompts"),
+                                               "toyworld_strict": ("fastvideo.rewards.toyworld", "check_prompts")}
 
 # Flags each reward requires, checked for every requested reward before any model is loaded.
 _REQUIRED_PATHS: dict[str, tuple[tuple[str, str, str], ...]] = {

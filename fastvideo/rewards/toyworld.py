@@ -32,6 +32,14 @@ class ToyWorldScorer:
         return {key: torch.from_numpy(value).float() for key, value in scores.items()}
 
 
+class StrictScorer(ToyWorldScorer):
+    """``(images, toy-world prompts) -> (B,) float32``: 1 when every check passes, else 0 (the ``"strict"`` entry of
+    ``ToyWorldScorer``, GenEval's per-prompt correctness) as a training signal of its own."""
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        return super().__call__(images, prompts)["strict"]
+
+
 class CleanScorer:
     """``(images (B,3,H,W) in [0,1], prompts (unused)) -> {key: (B,) float32}`` for ``clean.CLEAN_KEYS``."""
 
@@ -62,6 +70,11 @@ def build(device: torch.device, **_: object) -> ToyWorldScorer:
     """Registry factory for ``toyworld`` (CPU pixel analysis whatever ``device`` is; batches of 64 at 64 px take
     tens of milliseconds)."""
     return ToyWorldScorer()
+
+
+def build_strict(device: torch.device, **_: object) -> StrictScorer:
+    """Registry factory for ``toyworld_strict`` (the same CPU pixel analysis as ``toyworld``)."""
+    return StrictScorer()
 
 
 def build_clean(device: torch.device, **_: object) -> CleanScorer:
