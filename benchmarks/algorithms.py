@@ -8,8 +8,10 @@ Objectives (``OBJECTIVES``): each is a launcher plus flags. ``grpo`` (the clippe
 (``--policy_loss guard``), ``grpo_dppo`` (``--policy_loss dppo``), ``mixgrpo`` (MixGRPO's sliding SDE window), ``dpo``
 (online Diffusion-DPO), ``nft`` (DiffusionNFT) and ``awm`` (``train_nft.py --objective awm``). Every run starts from
 the same pretrained toy FLUX and goes through the demo launchers (``scripts/finetune_flux_{grpo,dpo,nft}.sh``,
-toy-world default) with flags added, so it trains exactly what a user runs; every run is a full fine-tune (the toy
-model's layers are 64 wide: a rank-32/64 LoRA of the papers would not be low-rank). Each objective has two settings:
+toy-world default) with flags added, so it trains exactly what a user runs (with one reward for all: ``--reward
+toyworld:1.0``, the mean of the four checks, ``TRAIN_REWARD``, where the GRPO demo trains on the strict check alone);
+every run is a full fine-tune (the toy model's layers are 64 wide: a rank-32/64 LoRA of the papers would not be
+low-rank). Each objective has two settings:
 
 - ``published``: its paper's / reference code's defaults (the repository's recipe for it, scripts/recipes/), scaled
   only where the toy world forces it: 8 sampling steps at shift 1 and 64 px (the toy model's), 48 samples per step
@@ -43,7 +45,7 @@ grpo_guard / grpo_dppo 4.8, mixgrpo 2.8, dpo 1.6, nft 6.3, awm 2.6; the demo-bas
 4.2. Idle machine: tuning 7 objectives x 2 candidates x (30 + 12 + 2 evaluations x 2) s = ~650 process-seconds; final
 runs 7 x 2 settings x 3 seeds = 42 x (90 + 12 + ~12 evaluations x 2) s = ~5300 process-seconds; (650 + 5300) / 2
 processes = ~50 minutes, plus ~30 s to build the toy data on first use; about 1.5x that on a machine shared as ours
-was.
+was. Measured with nothing else running (the default budget, current split): 49 minutes.
 ``--budget_s``, ``--seeds`` and ``--objectives`` scale the final runs linearly, ``--tune_budget_s`` the tuning.
 """
 from __future__ import annotations
@@ -68,6 +70,9 @@ LAUNCHERS = {"grpo": "scripts/finetune_flux_grpo.sh", "dpo": "scripts/finetune_f
 METRICS = {"strict": "eval/reward_toyworld_strict", "score": "eval/reward_toyworld", "clean": "eval/toyworld_clean"}
 METRIC, SCORE = METRICS["strict"], METRICS["score"]  # the old module's names
 EVAL_REWARD = "toyworld_clean:1.0"
+# every objective trains on the mean of the four checks (the GRPO demo's own reward is the strict check alone: DPO's
+# best-vs-worst pairs and NFT's advantages need the denser signal, and the study compares objectives on one reward)
+TRAIN_REWARD = {"--reward": "toyworld:1.0"}
 SETTINGS = ("published", "tuned")
 REFERENCE = "grpo"  # the efficiency summary's baseline
 LEARNING_RATES = ("1e-4", "3e-4")  # the tuning candidates: every objective's base flags at each learning rate
@@ -603,7 +608,8 @@ def tune(names: list[str], args: argparse.Namespace, train_eval: Path) -> dict[s
     """Every objective's candidates, run once each (in parallel) for --tune_budget_s on the tuning seed; per objective
     the candidate with the best final mean score on the training prompts (written to tune/<objective>.json)."""
     def job(name: str, i: int, cand: dict) -> dict:
-        return dict(algo=OBJECTIVES[name].trainer, flags=cand, output_dir=args.out / "tune" / f"{name}-cand{i}",
+        return dict(algo=OBJECTIVES[name].trainer, flags={**TRAIN_REWARD, **cand},
+                    output_dir=args.out / "tune" / f"{name}-cand{i}",
                     seed=TUNE_SEED, budget_s=args.tune_budget_s, eval_every=0, eval_prompts=args.eval_prompts,
                     data_dir=args.data_dir, eval_json=train_eval, eval_reward=EVAL_REWARD, strict=True)
 
@@ -652,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict:
         flags = {name: {"published": OBJECTIVES[name].published, **({"tuned": chosen[name]} if name in chosen else {})}
                  for name in args.objectives}
         (args.out / "settings.json").write_text(json.dumps(flags, indent=2) + "\n")
-        run_all([dict(algo=OBJECTIVES[name].trainer, flags=flags[name][setting],
+        run_all([dict(algo=OBJECTIVES[name].trainer, flags={**TRAIN_REWARD, **flags[name][setting]},
                       output_dir=run_dir(args.out, name, setting, seed), seed=seed, budget_s=args.budget_s,
                       eval_every=eval_every, eval_prompts=eval_prompts, data_dir=args.data_dir, max_steps=max_steps,
                       eval_reward=EVAL_REWARD, strict=True)
