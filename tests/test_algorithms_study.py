@@ -152,6 +152,9 @@ def _smoke(toy_world, tmp_path, objectives):
     for key, r in results["runs"].items():
         assert r["steps"] == 2 and r["samples"] > 0 and r["seconds"] > 0 and r["tflops"] > 0, key
         assert [c["step"] for c in r["curves"]] == [[0, 1, 2]], key
+        # every objective trains on one reward, the mean of the checks, whatever its demo's own (GRPO's: strict)
+        run = out / "runs" / f"{key.split('/')[0]}-published-seed0"
+        assert json.loads((run / "config.json").read_text())["reward"] == "toyworld:1.0", key
         for value in ("strict_end", "score_end", "clean_end", "score_gain"):
             assert math.isfinite(r[value]), (key, value)
         for metric in ("strict", "score"):

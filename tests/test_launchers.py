@@ -52,7 +52,10 @@ def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
     assert "eval/reward_toyworld_strict" in rows[0] and "eval/reward_toyworld_strict" in rows[2]
     assert "eval/reward_toyworld_strict" not in rows[1] and "reward_toyworld_strict" in rows[1]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["reward"] == "toyworld:1.0" and config["device"] == "cpu"
+    assert config["reward"] == "toyworld:0.0,toyworld_strict:1.0" and config["device"] == "cpu"
+    # trained on the strict check alone, the mean of the four checks logged beside it
+    assert rows[1]["reward_mean"] == rows[1]["reward_toyworld_strict"] and "reward_toyworld" in rows[1]
+    assert rows[0]["eval/reward_mean"] == rows[0]["eval/reward_toyworld_strict"] and "eval/reward_toyworld" in rows[0]
     assert (tmp_path / "out" / "samples" / "eval-step-000000.png").is_file()
     assert (tmp_path / "out" / "samples" / "eval-step-000002.png").is_file()
     assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()

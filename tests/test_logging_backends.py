@@ -70,6 +70,9 @@ def test_progress_bar_shows_rewards_in_their_units():
     from fastvideo.rewards import display_values
 
     shown = display_values({"reward_mean": -0.00796, "reward_jpeg_compressibility": -3.98 / 500,
-                            "reward_toyworld": 0.4219, "reward_toyworld_strict": 0.0078, "loss": 1.0})
+                            "reward_toyworld": 0.4219, "reward_toyworld_color": 0.9, "loss": 1.0})
     assert shown == {"jpeg_kB": "3.98", "toyworld": "0.4219"}  # JPEG size in kB, not -kB/500; checks left out
+    # the strict check is a reward of its own (toyworld_strict, the GRPO toy-world demo's), so it is shown
+    assert display_values({"reward_toyworld": 0.4219, "reward_toyworld_strict": 0.0078}) == {
+        "toyworld": "0.4219", "toyworld_strict": "0.0078"}
     assert display_values({"reward_jpeg_incompressibility": 2.0 / 500}) == {"jpeg_kB": "2"}

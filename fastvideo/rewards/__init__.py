@@ -96,7 +96,8 @@ DISPLAY_UNITS: dict[str, tuple[str, float]] = {"jpeg_compressibility": ("jpeg_kB
 
 def display_values(metrics: dict[str, float]) -> dict[str, str]:
     """Progress-bar entries of the ``reward_<component>`` means in ``metrics``: each component in its own units
-    (``DISPLAY_UNITS``), 4 significant digits; per-check extras such as ``reward_toyworld_strict`` are left out."""
+    (``DISPLAY_UNITS``), 4 significant digits; per-check extras such as ``reward_toyworld_color`` are left out (the
+    strict check, ``reward_toyworld_strict``, is a reward of its own and shown)."""
     shown = {}
     for name in REWARD_NAMES:
         if f"reward_{name}" in metrics:
