@@ -49,6 +49,7 @@ def _objectives(grpo: dict[str, str], one_step: str, guard_clip: str, awm: dict[
 # guard's clip: the demo's times the median std of the trained steps (the guard's log-ratio is the plain one times
 # it): jpeg 1e-4 x 0.49 (eta 0.9, FLUX's shift at 16 tokens), toyworld 1e-3 x ~0.94 (eta 1, steps 0-1 of 8 at shift 1)
 # toyworld: lr 1e-4 and the toyworld reward (the mean of the checks) for every objective, whatever the demos' own;
+# AWM's strata span 7 of the 8 sigmas (the NFT demo's own --timestep_fraction is 0.25);
 # GRPO trains a window of the first 2 of 8 steps (the rest ODE), where the scene's layout is decided; with every step
 # stochastic and trained its training reward did not rise within 60 steps (docs/toy-world.md); the sliding window
 # moves over steps 0-3, one step every 10 training steps
@@ -57,7 +58,7 @@ WORLDS: dict[str, dict[str, tuple[str, dict, str]]] = {
                         "5e-5", {}, {"--sde_window_range": "0 7", "--sde_window_shift_interval": "5"}),
     "toyworld": _objectives({"--sde_window_size": "2", "--sde_window_range": "0 2", "--learning_rate": "1e-4",
                              "--gradient_accumulation_steps": "1", "--reward": "toyworld:1.0"}, "32", "1e-3",
-                            {"--learning_rate": "1e-4"},
+                            {"--learning_rate": "1e-4", "--reward": "toyworld:1.0", "--timestep_fraction": "0.99"},
                             {"--sde_window_range": "0 4", "--sde_window_shift_interval": "10"}),
 }
 STEPS = {"jpeg": 40, "toyworld": 100}

@@ -321,7 +321,10 @@ def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in rows[1:])
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["reward"] == "toyworld:1.0"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    # trained on the strict check, over 2 of the 8 sigmas (scripts/demos/nft_toyworld.yaml)
+    assert config["reward"] == "toyworld:0.0,toyworld_strict:1.0" and config["timestep_fraction"] == 0.25
+    assert rows[1]["reward_mean"] == rows[1]["reward_toyworld_strict"] and "reward_toyworld" in rows[1]
     assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
 
     folder = write_flux_dev_config(tmp_path / "flux-dev")
