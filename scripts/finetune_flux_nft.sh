@@ -25,8 +25,8 @@ cd "$(dirname "$0")/.."
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ]; then
-  # Toy-world default: DiffusionNFT of the pretrained toy FLUX with the verifiable toyworld reward, held-out accuracy
-  # every 10 steps; the values: scripts/demos/toyworld.yaml + nft_toyworld.yaml (flags you append win).
+  # Toy-world default: DiffusionNFT of the pretrained toy FLUX on the verifiable toyworld strict check, held-out
+  # accuracy every 30 steps; the values: scripts/demos/toyworld.yaml + nft_toyworld.yaml (flags you append win).
   toy_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/nft-toyworld}
   set -- "${TOY_ARGS[@]}" --config scripts/demos/nft_toyworld.yaml --output_dir "$OUTPUT_DIR" \
