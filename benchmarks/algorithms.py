@@ -73,8 +73,9 @@ EVAL_REWARD = "toyworld_clean:1.0"
 # every objective trains on the mean of the four checks, the reward the study was measured with: one reward for all
 # (the GRPO and NFT demos' own is the strict check alone; DPO's best-vs-worst pairs did not gain from it on 3 seeds)
 TRAIN_REWARD = {"--reward": "toyworld:1.0"}
-# the tuned NFT and AWM runs train 7 of the 8 sigmas per sample (train_nft.py's default, DiffusionNFT's 0.99), as
-# the NFT demo did when the study was measured; the demo now trains 2 (scripts/demos/nft_toyworld.yaml)
+# the tuned NFT and AWM runs (and benchmarks/objectives.py's AWM) train 7 of the 8 sigmas per sample (train_nft.py's
+# default, DiffusionNFT's 0.99), as the NFT demo did when they were measured; the demo now trains 2
+# (scripts/demos/nft_toyworld.yaml)
 NFT_SIGMAS = {"--timestep_fraction": "0.99"}
 SETTINGS = ("published", "tuned")
 REFERENCE = "grpo"  # the efficiency summary's baseline

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from algorithms import launch
+from algorithms import NFT_SIGMAS, TRAIN_REWARD, launch
 
 
 def _objectives(grpo: dict[str, str], one_step: str, guard_clip: str, awm: dict[str, str], sliding: dict[str, str],
@@ -57,8 +57,8 @@ WORLDS: dict[str, dict[str, tuple[str, dict, str]]] = {
     "jpeg": _objectives({"--eta": "0.9", "--train_batch_size": "8", "--gradient_accumulation_steps": "1"}, "16",
                         "5e-5", {}, {"--sde_window_range": "0 7", "--sde_window_shift_interval": "5"}),
     "toyworld": _objectives({"--sde_window_size": "2", "--sde_window_range": "0 2", "--learning_rate": "1e-4",
-                             "--gradient_accumulation_steps": "1", "--reward": "toyworld:1.0"}, "32", "1e-3",
-                            {"--learning_rate": "1e-4", "--reward": "toyworld:1.0", "--timestep_fraction": "0.99"},
+                             "--gradient_accumulation_steps": "1", **TRAIN_REWARD}, "32", "1e-3",
+                            {"--learning_rate": "1e-4", **TRAIN_REWARD, **NFT_SIGMAS},
                             {"--sde_window_range": "0 4", "--sde_window_shift_interval": "10"}),
 }
 STEPS = {"jpeg": 40, "toyworld": 100}
