@@ -347,3 +347,71 @@ def test_reward_prompt_check_names_bad_lines():
     with pytest.raises(ValueError, match=r"--data_json_path d: .* 1 of 3 prompts are not \(line 2: 'a cat'\)"):
         check_reward_prompts("jpeg_compressibility:0.5,toyworld:1.0", ["a red circle", "a cat", "two blue squares"],
                              "--data_json_path d")
+
+
+# ----------------------------------------------------------------------------------------------- failure modes
+def test_failure_modes_name_the_prompt_a_wrong_image_satisfies():
+    """A render of each near miss (the groups' colours, shapes or counts exchanged, the relation reversed) is named
+    as that failure against the original prompt, over many prompts and both layouts; the prompt's own render is
+    "right", an empty image "other"; single-group prompts have no near miss."""
+    from fastvideo.toyworld.verify import FAILURE_MODES, _near_misses, failure_modes
+
+    def distinct(spec: SceneSpec) -> bool:  # two groups of one shape and count: a colour swap is the flipped scene
+        return spec.relation is not None and spec.groups[0][::2] != spec.groups[1][::2]
+
+    two_groups = [p for p in _sample(200, seed=3) if distinct(parse_prompt(p))][:40]
+    images, prompts, expected = [], [], []
+    for i, prompt in enumerate(two_groups):
+        spec = parse_prompt(prompt)
+        misses = _near_misses(spec)
+        assert [m for m, _ in misses] == [m for m in FAILURE_MODES[1:-1] if m in dict(misses)]
+        for mode, other in [("right", spec), *misses]:
+            images.append(render(other, 32, i, "tidy" if i % 2 else "random"))
+            prompts.append(prompt)
+            expected.append(mode)
+    images.append(np.full((32, 32, 3), 255, np.uint8))  # the background alone
+    prompts.append(two_groups[0])
+    expected.append("other")
+    got = failure_modes(np.stack(images), prompts)
+    assert got == expected
+    assert {"colour swap", "shape swap", "count swap", "relation flipped"} <= set(got)
+    assert _near_misses(parse_prompt("two red circles")) == []
+    same = "a red circle left of a blue circle"
+    assert failure_modes(render_prompt("a red circle right of a blue circle", 32), [same]) == ["colour swap"]
+    assert failure_modes(render_prompt("a red circle", 32), ["a red circle"]) == ["right"]
+    assert failure_modes(render_prompt("a blue circle", 32), ["a red circle"]) == ["other"]
+    with pytest.raises(ValueError, match="2 images but 1 prompts"):
+        failure_modes(np.stack(images[:2]), prompts[:1])
+
+
+def test_failures_cli_tables_sample_folders(tmp_path):
+    """`python -m fastvideo.toyworld failures A B` reads sample.py's index.jsonl and images and prints each mode's
+    share per folder; a folder without index.jsonl is a one-line error naming what to pass."""
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from helpers import REPO
+
+    prompt = "a red circle left of two blue squares"
+    swapped = "a blue circle left of two red squares"
+    for name, drawn in (("base", [swapped, swapped, prompt, "a green triangle"]), ("final", [prompt] * 3 + [swapped])):
+        (tmp_path / name / "images").mkdir(parents=True)
+        rows = []
+        for i, text in enumerate(drawn):
+            path = f"images/p{i:06d}-s000.png"
+            Image.fromarray(render_prompt(text, 32, i)).save(tmp_path / name / path)
+            rows.append({"prompt_id": i, "sample_index": 0, "prompt": prompt, "path": path})
+        (tmp_path / name / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "fastvideo.toyworld", "failures", str(tmp_path / "base"), str(tmp_path / "final")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    table = {line.rsplit(None, 2)[0]: [float(v) for v in line.split()[-2:]] for line in proc.stdout.splitlines()
+             if line[:1].isalpha() and not line.startswith("share")}
+    assert table["right"] == [0.25, 0.75] and table["colour swap"] == [0.5, 0.25]
+    assert table["other"] == [0.25, 0.0] and table["shape swap"] == [0.0, 0.0]
+    assert f"[1] {tmp_path / 'base'} (4 images)" in proc.stdout
+    proc = subprocess.run([*cmd[:4], str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "index.jsonl not found: pass folders sample.py wrote" in proc.stderr

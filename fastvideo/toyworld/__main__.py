@@ -1,5 +1,5 @@
-"""``python -m fastvideo.toyworld {build,pretrain,prompts}``: the toy FLUX from the shipped weights or trained from
-scratch, and the prompt splits as files."""
+"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures}``: the toy FLUX from the shipped weights or trained
+from scratch, the prompt splits as files, and what the verifier's failures are in sample.py's output folders."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,36 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"(default {f.default})")
 
 
+def failure_table(folders: list[Path]) -> str:
+    """The share of each ``verify.FAILURE_MODES`` mode among the images of sample.py output folders (their
+    index.jsonl and images), one column per folder."""
+    import numpy as np
+    from PIL import Image
+
+    from fastvideo.toyworld.verify import FAILURE_MODES, failure_modes
+
+    columns = []
+    for folder in folders:
+        index = folder / "index.jsonl"
+        if not index.is_file():
+            raise FileNotFoundError(f"{index} not found: pass folders sample.py wrote (its --output_dir, e.g. "
+                                    f"OUT/sampled/final)")
+        rows = [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
+        if not rows:
+            raise ValueError(f"{index} lists no images: sample into {folder} again")
+        images = np.stack([np.asarray(Image.open(folder / r["path"]).convert("RGB")) for r in rows])
+        modes = failure_modes(images, [r["prompt"] for r in rows])
+        columns.append((f"{folder} ({len(modes)} images)", [modes.count(m) / len(modes) for m in FAILURE_MODES]))
+    width = max(len(m) for m in FAILURE_MODES)
+    lines = ["share of images by failure mode (the toy-world verifier on the saved 8-bit images; a swap or flip: the "
+             "image is exactly right for that other prompt)"]
+    lines += [f"[{i}] {name}" for i, (name, _) in enumerate(columns, 1)]
+    lines.append(f"{'':{width}}" + "".join(f"  {f'[{i}]':>6}" for i in range(1, len(columns) + 1)))
+    for i, mode in enumerate(FAILURE_MODES):
+        lines.append(f"{mode:{width}}" + "".join(f"  {shares[i]:6.3f}" for _, shares in columns))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fastvideo.toyworld", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,8 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("prompts", help="write train.txt / heldout.txt prompt files (seeded order)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the line order")
+    p = sub.add_parser("failures", help="the share of right images and of each failure mode (colour swap, shape "
+                       "swap, count swap, relation flipped, other) in sample.py output folders")
+    p.add_argument("folders", nargs="+", type=Path, help="sample.py --output_dir folders (index.jsonl + images)")
     args = parser.parse_args(argv)
 
+    if args.command == "failures":
+        try:
+            print(failure_table(args.folders))
+        except (FileNotFoundError, ValueError) as err:
+            sys.exit(str(err))
+        return
     if args.command == "prompts":
         for name, path in write_prompt_files(args.out, args.seed).items():
             print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")

@@ -233,3 +233,41 @@ def score_image(image: torch.Tensor | np.ndarray, prompt: str) -> dict[str, floa
         raise ValueError(f"score_image takes one image, (3, H, W) float or (H, W, 3) uint8; got {image.shape}; "
                          f"use score_batch for batches")
     return {key: float(value[0]) for key, value in score_batch(image, [prompt]).items()}
+
+
+# A wrong image that is exactly right for another prompt, in the order tried: the two groups' colours exchanged (a
+# binding error), their shapes exchanged, their counts exchanged, the relation reversed; anything else is "other".
+FAILURE_MODES: tuple[str, ...] = ("right", "colour swap", "shape swap", "count swap", "relation flipped", "other")
+_OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def _near_misses(spec: SceneSpec) -> list[tuple[str, SceneSpec]]:
+    if spec.relation is None:
+        return []
+    (n1, c1, s1), (n2, c2, s2) = spec.groups
+    alternatives = [("colour swap", ((n1, c2, s1), (n2, c1, s2)), spec.relation),
+                    ("shape swap", ((n1, c1, s2), (n2, c2, s1)), spec.relation),
+                    ("count swap", ((n2, c1, s1), (n1, c2, s2)), spec.relation),
+                    ("relation flipped", spec.groups, _OPPOSITE[spec.relation])]
+    return [(mode, other) for mode, groups, relation in alternatives
+            if (other := SceneSpec(groups, relation)) != spec]
+
+
+def failure_modes(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> list[str]:
+    """Per image, one of ``FAILURE_MODES``: "right" (strict), the first near miss whose prompt the image satisfies
+    exactly (e.g. "colour swap": the scene of the prompt with the two groups' colours exchanged), else "other". Shows
+    what RL fixes: malformed scenes ("other") or a wrong binding of known objects. (Two groups of one shape and count:
+    their colour swap is the reversed relation's picture, named "colour swap".)"""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    x = _as_batch(images)
+    if x.shape[0] != len(prompts):
+        raise ValueError(f"got {x.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
+    specs = [parse_prompt(p) for p in prompts]
+    modes = []
+    for objects, spec in zip(_detect(np.nan_to_num(x, nan=0.0, posinf=255.0, neginf=0.0)), specs):
+        if score_objects(objects, spec)["strict"]:
+            modes.append("right")
+            continue
+        modes.append(next((mode for mode, other in _near_misses(spec) if score_objects(objects, other)["strict"]),
+                          "other"))
+    return modes
