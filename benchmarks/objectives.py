@@ -12,7 +12,8 @@ the default demo (prompt following of the toy FLUX), with GRPO's SDE window on t
 ``--gradient_accumulation_steps 1``): with one, every replay is on-policy and GRPO-Guard's bias and Flow-DPPO's
 divergence are 0. Gain = mean ``reward_mean``
 (training prompts) of the last 10 steps minus that of the lr-0 control with the same sampler and seed (clip, guard and
-dppo share one control: at lr 0 they sample the same images); for ``jpeg`` also as the JPEG size change in kB
+dppo share one control: at lr 0 they sample the same images; a toyworld GRPO control trains nothing, ``CONTROL``); for
+``jpeg`` also as the JPEG size change in kB
 (reward = -size/500). Step time = the mean ``time_step`` after step 1, relative to GRPO (clip) in the same seed.
 Runs that finished are reused. Writes ``results.json`` and ``table.md`` to ``--out``.
 """
@@ -62,12 +63,19 @@ WORLDS: dict[str, dict[str, tuple[str, dict, str]]] = {
                             {"--sde_window_range": "0 4", "--sde_window_shift_interval": "10"}),
 }
 STEPS = {"jpeg": 40, "toyworld": 100}
+# The lr-0 control of a toyworld run through the GRPO launcher also trains nothing: at reward weight 0 every advantage is
+# 0 and --drop_zero_advantage drops every sample (no forward, no optimizer step), so it costs only its rollouts (about
+# half a step) and samples the same images (rewards equal to an lr-0 run's bit for bit); it logs the reward at weight
+# 0 as reward_toyworld, the column every gain here compares (``GAIN_KEY``; = reward_mean at TRAIN_REWARD's weight 1)
+CONTROL = {"--reward": "toyworld:0.0", "--drop_zero_advantage": ""}
+GAIN_KEY = {"jpeg": "reward_mean", "toyworld": "reward_toyworld"}
 
 
 def run(out: Path, world: str, name: str, seed: int, steps: int, data_dir: Path, control: bool = False) -> Path:
     """One run (the objective's, or its lr-0 control) through its launcher."""
     launcher, flags, control_name = WORLDS[world][name]
-    flags = {**flags, "--learning_rate": "0"} if control else flags
+    if control:
+        flags = {**flags, "--learning_rate": "0", **(CONTROL if world == "toyworld" and launcher == "grpo" else {})}
     folder = out / world / (f"control-{control_name}-seed{seed}" if control else f"{name}-seed{seed}")
     return launch(launcher, flags, folder, seed=seed, budget_s=0, eval_every=0, eval_prompts=16, data_dir=data_dir,
                   max_steps=steps, nproc=2, demo=world)
@@ -93,12 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.objectives:
             trained, control = (rows(run(args.out, args.world, name, seed, steps, args.data_dir, control=c))
                                 for c in (False, True))
-            gain = np.mean([r["reward_mean"] for r in trained[-10:]]) - np.mean([r["reward_mean"]
-                                                                               for r in control[-10:]])
+            key = GAIN_KEY[args.world]
+            gain = np.mean([r[key] for r in trained[-10:]]) - np.mean([r[key] for r in control[-10:]])
             step_s = float(np.mean([r["time_step"] for r in trained[1:]]))
             results.setdefault(name, {})[seed] = {"gain": float(gain), "step_s": step_s,
-                                                  "first10": float(np.mean([r["reward_mean"] for r in trained[:10]])),
-                                                  "last10": float(np.mean([r["reward_mean"] for r in trained[-10:]]))}
+                                                  "first10": float(np.mean([r[key] for r in trained[:10]])),
+                                                  "last10": float(np.mean([r[key] for r in trained[-10:]]))}
             kb = f" ({-500 * gain:+.3f} kB of JPEG)" if args.world == "jpeg" else ""
             print(f"{name} seed {seed}: gain {gain:+.5f}{kb} over lr 0, {step_s:.2f} s/step", flush=True)
     unit = "JPEG kB" if args.world == "jpeg" else "reward"
