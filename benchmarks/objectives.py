@@ -12,7 +12,7 @@ the default demo (prompt following of the toy FLUX), with GRPO's SDE window on t
 ``--gradient_accumulation_steps 1``): with one, every replay is on-policy and GRPO-Guard's bias and Flow-DPPO's
 divergence are 0. Gain = mean ``reward_mean``
 (training prompts) of the last 10 steps minus that of the lr-0 control with the same sampler and seed (clip, guard and
-dppo share one control: at lr 0 they sample the same images; a toyworld GRPO control trains nothing, ``CONTROL``); for
+dppo share one control: at lr 0 they sample the same images; a toyworld control trains the least, ``CONTROL``); for
 ``jpeg`` also as the JPEG size change in kB
 (reward = -size/500). Step time = the mean ``time_step`` after step 1, relative to GRPO (clip) in the same seed.
 Runs that finished are reused. Writes ``results.json`` and ``table.md`` to ``--out``.
@@ -63,11 +63,14 @@ WORLDS: dict[str, dict[str, tuple[str, dict, str]]] = {
                             {"--sde_window_range": "0 4", "--sde_window_shift_interval": "10"}),
 }
 STEPS = {"jpeg": 40, "toyworld": 100}
-# The lr-0 control of a toyworld run through the GRPO launcher also trains nothing: at reward weight 0 every advantage is
-# 0 and --drop_zero_advantage drops every sample (no forward, no optimizer step), so it costs only its rollouts (about
-# half a step) and samples the same images (rewards equal to an lr-0 run's bit for bit); it logs the reward at weight
-# 0 as reward_toyworld, the column every gain here compares (``GAIN_KEY``; = reward_mean at TRAIN_REWARD's weight 1)
-CONTROL = {"--reward": "toyworld:0.0", "--drop_zero_advantage": ""}
+# A toyworld lr-0 control, by launcher, also trains as little as it can while it samples the same images (rewards equal
+# to an lr-0 run's bit for bit: nothing it trains at lr 0 reaches the rollouts). GRPO: nothing (at reward weight 0 every
+# advantage is 0 and --drop_zero_advantage drops every sample: no forward, no optimizer step), its reward logged at
+# weight 0 as reward_toyworld, the column every toyworld gain compares (``GAIN_KEY``; = reward_mean at TRAIN_REWARD's
+# weight 1). NFT (AWM): one sigma per sample instead of 4 strata over 7 (its ODE rollouts do not depend on them).
+# About half the step either way.
+CONTROL = {"grpo": {"--reward": "toyworld:0.0", "--drop_zero_advantage": ""},
+           "nft": {"--awm_timesteps": "1", "--timestep_fraction": "0.125"}}
 GAIN_KEY = {"jpeg": "reward_mean", "toyworld": "reward_toyworld"}
 
 
@@ -75,7 +78,7 @@ def run(out: Path, world: str, name: str, seed: int, steps: int, data_dir: Path,
     """One run (the objective's, or its lr-0 control) through its launcher."""
     launcher, flags, control_name = WORLDS[world][name]
     if control:
-        flags = {**flags, "--learning_rate": "0", **(CONTROL if world == "toyworld" and launcher == "grpo" else {})}
+        flags = {**flags, "--learning_rate": "0", **(CONTROL[launcher] if world == "toyworld" else {})}
     folder = out / world / (f"control-{control_name}-seed{seed}" if control else f"{name}-seed{seed}")
     return launch(launcher, flags, folder, seed=seed, budget_s=0, eval_every=0, eval_prompts=16, data_dir=data_dir,
                   max_steps=steps, nproc=2, demo=world)

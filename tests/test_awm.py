@@ -281,6 +281,24 @@ def test_padded_rows_leave_nft_metrics():
     assert torch.equal(velocity_deviation(v_theta, v_old, None), (v_theta - v_old).pow(2).mean())
 
 
+# slow (~30 s): what makes the AWM learning test's control cheap (benchmarks/objectives.py's CONTROL["nft"])
+@pytest.mark.slow
+def test_an_lr0_awm_run_training_one_sigma_samples_as_one_training_all_strata(tiny_flux_dir, tiny_data, tmp_path):
+    """At lr 0 the trained sigmas do not reach the rollouts: AWM with one sigma per sample (the cheap control) samples
+    the images of AWM with its strata, reward for reward, and trains fewer sigmas."""
+    rows = {}
+    for name, extra in (("strata", ("--awm_timesteps", "2")), ("one", ("--awm_timesteps", "1", "--timestep_fraction",
+                                                                       "0.25"))):
+        out = tmp_path / name
+        run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *AWM, "--reward", "jpeg_compressibility:1.0",
+                              "--max_train_steps", "3", "--learning_rate", "0", *extra))
+        rows[name] = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]
+    rewards = {name: [r["reward_mean"] for r in rows[name]] for name in rows}
+    assert len(rewards["one"]) == 3 and rewards["one"] == rewards["strata"] and len(set(rewards["one"])) == 3
+    assert [r["trained_timesteps"] for r in rows["one"]] == [1] * 3
+    assert [r["trained_timesteps"] for r in rows["strata"]] == [2] * 3
+
+
 # slow (suite time, ~20 s each): the default suite keeps the weighted losses (above), training_order's world-size
 # invariance (test_grpo_objectives) and AWM with --shuffle_micro_batches in the pretend-CUDA trace (test_fake_cuda)
 @pytest.mark.slow

@@ -228,8 +228,10 @@ def test_objective_learns(objective_runs, name):
     assert [r["step"] for r in trained] == [r["step"] for r in control] == list(range(1, steps + 1))
     key = objectives.GAIN_KEY["toyworld"]  # the GRPO controls log the reward at weight 0 (objectives.CONTROL)
     assert all(t[key] == t["reward_mean"] for t in trained)
-    if name != "awm":  # the GRPO launcher's control trains nothing (objectives.CONTROL); AWM's trains at lr 0
+    if name != "awm":  # the controls train the least (objectives.CONTROL): GRPO's nothing, AWM's one sigma
         assert all(c["kept_frac"] == 0 and c["reward_mean"] == 0 for c in control)
+    else:
+        assert all(c["trained_timesteps"] == 1 for c in control) and trained[0]["trained_timesteps"] == 4
     gain = sum(t[key] - c[key] for t, c in zip(trained[-GAIN_STEPS:], control[-GAIN_STEPS:]))
     gain /= GAIN_STEPS
     print(f"{name}: training reward {gain:+.4f} vs lr 0 over steps {steps - GAIN_STEPS + 1}-{steps} (margin {margin})")
