@@ -13,8 +13,9 @@ the default demo (prompt following of the toy FLUX), with GRPO's SDE window on t
 divergence are 0. Gain = mean training reward (training prompts; ``GAIN_KEY``: toyworld's ``reward_toyworld``, jpeg's
 ``reward_mean``) of the last 10 steps minus that of the lr-0 control with the same sampler and seed (clip, guard and
 dppo share one control: at lr 0 they sample the same images; a toyworld control trains the least, ``CONTROL``); for
-``jpeg`` also as the JPEG size change in kB (reward = -size/500). Step time = the mean ``time_step`` after step 1, relative to GRPO (clip) in the same seed.
-Runs that finished are reused. Writes ``results.json`` and ``table.md`` to ``--out``.
+``jpeg`` also as the JPEG size change in kB (reward = -size/500). Step time = the mean ``time_step`` after step 1,
+relative to GRPO (clip) in the same seed. Runs that finished are reused. Writes ``results.json`` and ``table.md`` to
+``--out``.
 """
 from __future__ import annotations
 
