@@ -334,6 +334,9 @@ def test_toyworld_reward_errors():
     images = render_batch(["a red circle", "a blue square"], 32, seeds=0)
     with pytest.raises(ValueError, match="toy-world prompts only.*cannot parse toy-world prompt 'a bowl of ramen'"):
         fn(images, ["a red circle", "a bowl of ramen"])
+    strict = build_reward("toyworld_strict", "cpu")  # the strict reward's errors name it
+    with pytest.raises(ValueError, match="reward 'toyworld_strict' scores toy-world prompts only.*'a bowl of ramen'"):
+        strict(images, ["a red circle", "a bowl of ramen"])
     images[1, 0, 3, 3] = float("nan")
     with pytest.raises(ValueError, match="'toyworld'.*'a blue square'.*NaN"):
         fn(images, ["a red circle", "a blue square"])
@@ -347,6 +350,8 @@ def test_reward_prompt_check_names_bad_lines():
     with pytest.raises(ValueError, match=r"--data_json_path d: .* 1 of 3 prompts are not \(line 2: 'a cat'\)"):
         check_reward_prompts("jpeg_compressibility:0.5,toyworld:1.0", ["a red circle", "a cat", "two blue squares"],
                              "--data_json_path d")
+    with pytest.raises(ValueError, match=r"--data_json_path d: reward 'toyworld_strict' scores toy-world prompts only"):
+        check_reward_prompts("toyworld_strict:1.0", ["a red circle", "a cat"], "--data_json_path d")
 
 
 # ----------------------------------------------------------------------------------------------- failure modes

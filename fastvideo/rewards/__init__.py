@@ -74,8 +74,8 @@ URL_REWARD_NAMES: tuple[str, ...] = tuple(_URL_REGISTRY)
 JUDGE_SCORES = ("yes_no", "number", "ocr")  # --judge_score: how a vlm_judge reads the chat model's answer
 _URL_NAME = re.compile(r"(?P<family>[a-z_]+)(?:\.(?P<label>[A-Za-z0-9_]+))?")
 
-# Rewards that score only some prompts: name -> (module, function(prompts) raising ValueError), run on the training and
-# evaluation prompts before any model loads.
+# Rewards that score only some prompts: name -> (module, function(prompts, name) raising ValueError), run on the
+# training and evaluation prompts before any model loads.
 _PROMPT_CHECKS: dict[str, tuple[str, str]] = {"toyworld": ("fastvideo.rewards.toyworld", "check_prompts"),
                                                "toyworld_strict": ("fastvideo.rewards.toyworld", "check_prompts")}
 
@@ -254,7 +254,7 @@ def check_reward_prompts(spec: str, prompts: Sequence[str], source: str, *, judg
         try:
             if item.family in _PROMPT_CHECKS:
                 module, function = _PROMPT_CHECKS[item.family]
-                getattr(importlib.import_module(module), function)(prompts)
+                getattr(importlib.import_module(module), function)(prompts, item.family)  # errors name the reward
             elif item.family == "vlm_judge":
                 from .vlm_judge import check_prompts
 

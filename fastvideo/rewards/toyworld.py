@@ -20,6 +20,8 @@ import torch
 class ToyWorldScorer:
     """``(images (B,3,H,W) in [0,1], toy-world prompts) -> {key: (B,) float32}`` for the keys of ``SCORE_KEYS``."""
 
+    reward = "toyworld"  # the name its errors give
+
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         from fastvideo.toyworld.verify import score_batch
@@ -27,7 +29,7 @@ class ToyWorldScorer:
         try:
             scores = score_batch(images, prompts)
         except ValueError as err:
-            raise ValueError(f"reward 'toyworld' scores toy-world prompts only (fastvideo.toyworld.scenes."
+            raise ValueError(f"reward '{self.reward}' scores toy-world prompts only (fastvideo.toyworld.scenes."
                              f"all_prompts() lists them; train on a prompts file written from them): {err}") from None
         return {key: torch.from_numpy(value).float() for key, value in scores.items()}
 
@@ -35,6 +37,8 @@ class ToyWorldScorer:
 class StrictScorer(ToyWorldScorer):
     """``(images, toy-world prompts) -> (B,) float32``: 1 when every check passes, else 0 (the ``"strict"`` entry of
     ``ToyWorldScorer``, GenEval's per-prompt correctness) as a training signal of its own."""
+
+    reward = "toyworld_strict"
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         return super().__call__(images, prompts)["strict"]
@@ -50,8 +54,9 @@ class CleanScorer:
         return {key: torch.from_numpy(value).float() for key, value in clean_batch(images).items()}
 
 
-def check_prompts(prompts: Sequence[str]) -> None:
-    """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers."""
+def check_prompts(prompts: Sequence[str], reward: str = "toyworld") -> None:
+    """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers, naming
+    ``reward`` (toyworld or toyworld_strict)."""
     from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
 
     bad = []
@@ -61,7 +66,7 @@ def check_prompts(prompts: Sequence[str]) -> None:
         except ValueError:
             bad.append(f"line {i + 1}: {prompt!r}")
     if bad:
-        raise ValueError(f"reward 'toyworld' scores toy-world prompts only, and {len(bad)} of {len(prompts)} prompts "
+        raise ValueError(f"reward '{reward}' scores toy-world prompts only, and {len(bad)} of {len(prompts)} prompts "
                          f"are not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); train on the prompt files "
                          f"of `python -m fastvideo.toyworld prompts` or follow the grammar: {GRAMMAR}")
 
