@@ -207,16 +207,24 @@ def score_objects(objects: list[DetectedObject], spec: SceneSpec) -> dict[str, f
     return {"score": float(np.mean(list(scores.values()))), "strict": float(strict), **scores}
 
 
-def score_batch(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
-    """Scores of a batch: ``{key: (B,) float64}`` for ``SCORE_KEYS``; NaN for images with non-finite pixels."""
+def _detect_for(images: torch.Tensor | np.ndarray, prompts: Sequence[str] | str
+                ) -> tuple[list[list[DetectedObject]], list[SceneSpec], np.ndarray]:
+    """(detected objects, parsed prompts, finite (B,) bool) of a batch, one prompt per image; the prompts are parsed
+    (bad ones fail) before any pixel work, and non-finite pixels are detected as clamped values."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     x = _as_batch(images)  # (B,H,W,3) 0..255
     n = x.shape[0]
     if n != len(prompts):
         raise ValueError(f"got {n} images but {len(prompts)} prompts; pass one prompt per image")
-    specs = [parse_prompt(p) for p in prompts]  # bad prompts fail before any work
+    specs = [parse_prompt(p) for p in prompts]
     finite = np.isfinite(x.reshape(n, -1)).all(axis=1)
-    detected = _detect(np.nan_to_num(x, nan=0.0, posinf=255.0, neginf=0.0))
+    return _detect(np.nan_to_num(x, nan=0.0, posinf=255.0, neginf=0.0)), specs, finite
+
+
+def score_batch(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+    """Scores of a batch: ``{key: (B,) float64}`` for ``SCORE_KEYS``; NaN for images with non-finite pixels."""
+    detected, specs, finite = _detect_for(images, prompts)
+    n = len(specs)
     out = {key: np.empty(n, dtype=np.float64) for key in SCORE_KEYS}
     for i, (objects, spec) in enumerate(zip(detected, specs)):
         scores = score_objects(objects, spec)
@@ -258,13 +266,9 @@ def failure_modes(images: torch.Tensor | np.ndarray, prompts: Sequence[str]) -> 
     exactly (e.g. "colour swap": the scene of the prompt with the two groups' colours exchanged), else "other". Shows
     what RL fixes: malformed scenes ("other") or a wrong binding of known objects. (Two groups of one shape and count:
     their colour swap is the reversed relation's picture, named "colour swap".)"""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    x = _as_batch(images)
-    if x.shape[0] != len(prompts):
-        raise ValueError(f"got {x.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
-    specs = [parse_prompt(p) for p in prompts]
+    detected, specs, _ = _detect_for(images, prompts)
     modes = []
-    for objects, spec in zip(_detect(np.nan_to_num(x, nan=0.0, posinf=255.0, neginf=0.0)), specs):
+    for objects, spec in zip(detected, specs):
         if score_objects(objects, spec)["strict"]:
             modes.append("right")
             continue
