@@ -389,6 +389,19 @@ def test_failure_modes_name_the_prompt_a_wrong_image_satisfies():
         failure_modes(np.stack(images[:2]), prompts[:1])
 
 
+def test_pair_of_names_the_pair_its_split_and_its_colour_swap():
+    """`failures --by_pair` groups images by the prompt's object pair: held-out or training pair, and whether the same
+    four words bound the other way (the colour-swapped pair) are a training pair."""
+    from fastvideo.toyworld.__main__ import _pair_of
+
+    swap_train = ("blue triangle + green circle", "held-out, swap train")
+    assert _pair_of("a blue triangle left of a green circle") == swap_train
+    assert _pair_of("two red squares above a blue circle") == ("blue circle + red square", "held-out, swap held-out")
+    assert _pair_of("a red circle below a green circle") == ("green circle + red circle", "held-out, one shape")
+    assert _pair_of("a red triangle right of a blue square") == ("blue square + red triangle", "train, swap train")
+    assert _pair_of("three yellow circles") == ("one group", "")
+
+
 def test_failures_cli_tables_sample_folders(tmp_path):
     """`python -m fastvideo.toyworld failures A B` reads sample.py's index.jsonl and images and prints each mode's
     share per folder; a folder without index.jsonl is a one-line error naming what to pass."""
@@ -418,5 +431,10 @@ def test_failures_cli_tables_sample_folders(tmp_path):
     assert table["right"] == [0.25, 0.75] and table["colour swap"] == [0.5, 0.25]
     assert table["other"] == [0.25, 0.0] and table["shape swap"] == [0.0, 0.0]
     assert f"[1] {tmp_path / 'base'} (4 images)" in proc.stdout
+    assert "share right by object pair" not in proc.stdout
+    by_pair = subprocess.run([*cmd, "--by_pair"], cwd=REPO, capture_output=True, text=True)
+    assert by_pair.returncode == 0 and by_pair.stdout.startswith(proc.stdout), by_pair.stderr
+    assert by_pair.stdout.splitlines()[-1].split() == ["blue", "square", "+", "red", "circle", "held-out,", "swap",
+                                                       "held-out", "0.250", "(4)", "0.750", "(4)"]
     proc = subprocess.run([*cmd[:4], str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 1 and "index.jsonl not found: pass folders sample.py wrote" in proc.stderr

@@ -29,33 +29,73 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"(default {f.default})")
 
 
-def failure_table(folders: list[Path]) -> str:
-    """The share of each ``verify.FAILURE_MODES`` mode among the images of sample.py output folders (their
-    index.jsonl and images), one column per folder."""
+def _read_folder(folder: Path) -> tuple[list[str], list[str]]:
+    """(prompts, failure modes) of the images of one sample.py output folder (its index.jsonl and 8-bit images)."""
     import numpy as np
     from PIL import Image
 
-    from fastvideo.toyworld.verify import FAILURE_MODES, failure_modes
+    from fastvideo.toyworld.verify import failure_modes
 
-    columns = []
-    for folder in folders:
-        index = folder / "index.jsonl"
-        if not index.is_file():
-            raise FileNotFoundError(f"{index} not found: pass folders sample.py wrote (its --output_dir, e.g. "
-                                    f"OUT/sampled/final)")
-        rows = [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
-        if not rows:
-            raise ValueError(f"{index} lists no images: sample into {folder} again")
-        images = np.stack([np.asarray(Image.open(folder / r["path"]).convert("RGB")) for r in rows])
-        modes = failure_modes(images, [r["prompt"] for r in rows])
-        columns.append((f"{folder} ({len(modes)} images)", [modes.count(m) / len(modes) for m in FAILURE_MODES]))
+    index = folder / "index.jsonl"
+    if not index.is_file():
+        raise FileNotFoundError(f"{index} not found: pass folders sample.py wrote (its --output_dir, e.g. "
+                                f"OUT/sampled/final)")
+    rows = [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{index} lists no images: sample into {folder} again")
+    images = np.stack([np.asarray(Image.open(folder / r["path"]).convert("RGB")) for r in rows])
+    prompts = [r["prompt"] for r in rows]
+    return prompts, failure_modes(images, prompts)
+
+
+def _pair_of(prompt: str) -> tuple[str, str]:
+    """(the prompt's object pair as text, its kind): held-out or training pair, and for a pair of two shapes whether
+    its colour-swapped pair (the same four words bound the other way) is a training pair; "one group" otherwise."""
+    from fastvideo.toyworld.scenes import HELDOUT_OBJECT_PAIRS, parse_prompt
+
+    groups = parse_prompt(prompt).groups
+    if len(groups) == 1:
+        return "one group", ""
+    (_, c1, s1), (_, c2, s2) = groups
+    pair = frozenset(((c1, s1), (c2, s2)))
+    split = "held-out" if pair in HELDOUT_OBJECT_PAIRS else "train"
+    swap = "one shape" if s1 == s2 else (
+        "swap held-out" if frozenset(((c1, s2), (c2, s1))) in HELDOUT_OBJECT_PAIRS else "swap train")
+    return " + ".join(" ".join(obj) for obj in sorted(pair)), f"{split}, {swap}"
+
+
+def failure_table(folders: list[Path], by_pair: bool = False) -> str:
+    """The share of each ``verify.FAILURE_MODES`` mode among the images of sample.py output folders (their
+    index.jsonl and images), one column per folder; ``by_pair`` adds the share right per object pair of the prompts,
+    which shows which pairs a run fixes and which stay wrong."""
+    from fastvideo.toyworld.verify import FAILURE_MODES
+
+    read = [(folder, *_read_folder(folder)) for folder in folders]
     width = max(len(m) for m in FAILURE_MODES)
     lines = ["share of images by failure mode (the toy-world verifier on the saved 8-bit images; a swap or flip: the "
              "image is exactly right for that other prompt)"]
-    lines += [f"[{i}] {name}" for i, (name, _) in enumerate(columns, 1)]
-    lines.append(f"{'':{width}}" + "".join(f"  {f'[{i}]':>6}" for i in range(1, len(columns) + 1)))
-    for i, mode in enumerate(FAILURE_MODES):
-        lines.append(f"{mode:{width}}" + "".join(f"  {shares[i]:6.3f}" for _, shares in columns))
+    lines += [f"[{i}] {folder} ({len(modes)} images)" for i, (folder, _, modes) in enumerate(read, 1)]
+    header = "".join(f"  {f'[{i}]':>6}" for i in range(1, len(read) + 1))
+    lines.append(f"{'':{width}}" + header)
+    for mode in FAILURE_MODES:
+        lines.append(f"{mode:{width}}" + "".join(f"  {modes.count(mode) / len(modes):6.3f}" for _, _, modes in read))
+    if by_pair:
+        shares: dict[tuple[str, str], list[list[int]]] = {}  # pair -> per folder [right, images]
+        for k, (_, prompts, modes) in enumerate(read):
+            for prompt, mode in zip(prompts, modes):
+                counts = shares.setdefault(_pair_of(prompt), [[0, 0] for _ in read])[k]
+                counts[0] += mode == "right"
+                counts[1] += 1
+        name_w = max(len(name) for name, _ in shares)
+        kind_w = max(len(kind) for _, kind in shares)
+        rows = sorted(shares.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        cells = [[f"{right / n:.3f} ({n})" if n else "-" for right, n in per] for _, per in rows]
+        col_w = max(len(c) for row in cells for c in row)
+        lines += ["", "share right by object pair (its images in brackets)",
+                  f"{'pair':{name_w}}  {'kind':{kind_w}}" + "".join(f"  {f'[{i}]':>{col_w}}"
+                                                                    for i in range(1, len(read) + 1))]
+        for ((name, kind), _), row in zip(rows, cells):
+            lines.append(f"{name:{name_w}}  {kind:{kind_w}}" + "".join(f"  {c:>{col_w}}" for c in row))
     return "\n".join(lines)
 
 
@@ -71,11 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("failures", help="the share of right images and of each failure mode (colour swap, shape "
                        "swap, count swap, relation flipped, other) in sample.py output folders")
     p.add_argument("folders", nargs="+", type=Path, help="sample.py --output_dir folders (index.jsonl + images)")
+    p.add_argument("--by_pair", action="store_true", help="also the share right per object pair of the prompts "
+                   "(held-out or training pair; whether its colour-swapped pair is a training pair)")
     args = parser.parse_args(argv)
 
     if args.command == "failures":
         try:
-            print(failure_table(args.folders))
+            print(failure_table(args.folders, args.by_pair))
         except (FileNotFoundError, ValueError) as err:
             sys.exit(str(err))
         return
