@@ -77,6 +77,12 @@ TRAIN_REWARD = {"--reward": "toyworld:1.0"}
 # default, DiffusionNFT's 0.99), as the NFT demo did when they were measured; the demo now trains 2
 # (scripts/demos/nft_toyworld.yaml)
 NFT_SIGMAS = {"--timestep_fraction": "0.99"}
+# the tuned DPO runs sample and pair as the DPO demo did when they were measured: 8 prompts x 8 samples, noise on every
+# step at eta 0.7, independent initial noise, one (noise, sigma) draw per pair; the demo now pairs 16 x 4 samples
+# differing in the noise of steps 0-1, 4 draws each (scripts/demos/dpo_toyworld.yaml). The published run's --sampler
+# ode sets these aside by itself (its flags yield the demo's SDE ones)
+DPO_DEMO_THEN = {"--eta": "0.7", "--num_generations": "8", "--prompts_per_step": "8", "--timesteps_per_pair": "1",
+                 "--sde_window_size": "0", "--no-init_same_noise": ""}
 SETTINGS = ("published", "tuned")
 REFERENCE = "grpo"  # the efficiency summary's baseline
 LEARNING_RATES = ("1e-4", "3e-4")  # the tuning candidates: every objective's base flags at each learning rate
@@ -185,7 +191,7 @@ OBJECTIVES: dict[str, Objective] = {
         "--lr_scheduler": "constant",  # lr_scheduler_type: constant
         "--weight_decay": "1e-4",  # actor.optim.weight_decay=0.0001
         "--max_grad_norm": "1.0",  # optim clip_grad: 1.0
-    }, {}),
+    }, DPO_DEMO_THEN),
     # DiffusionNFT (scripts/recipes/nft.yaml: NVlabs/DiffusionNFT config/nft.py sd3_hpsv2, config/base.py,
     # scripts/train_nft_sd3.py)
     "nft": Objective("nft", "DiffusionNFT", {
