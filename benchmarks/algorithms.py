@@ -17,7 +17,8 @@ low-rank). Each objective has two settings:
   only where the toy world forces it: 8 sampling steps at shift 1 and 64 px (the toy model's), 48 samples per step
   on one CPU process (the paper's group size, fewer prompts), and what follows from those (MixGRPO's window);
 - ``tuned``: the best of ``len(LEARNING_RATES)`` candidates, the same number for every objective so the tuning budget
-  is equal: the toy-world demo's settings plus the objective's defining flags (``OBJECTIVES[...].base``) at each
+  is equal: the toy-world demo's settings plus the objective's defining flags (``OBJECTIVES[...].base``; NFT's and
+  AWM's ``NFT_SIGMAS`` and DPO's ``DPO_DEMO_THEN`` pin the demos' values the study was measured with) at each
   learning rate, each run once for ``--tune_budget_s`` on a tuning seed and judged by the final mean score on the first
   ``--eval_prompts`` *training* prompts (EVAL_JSON = the train manifest; the held-out prompts are only for the tables).
 
