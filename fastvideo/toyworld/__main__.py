@@ -51,17 +51,16 @@ def _read_folder(folder: Path) -> tuple[list[str], list[str]]:
 def _pair_of(prompt: str) -> tuple[str, str]:
     """(the prompt's object pair as text, its kind): held-out or training pair, and for a pair of two shapes whether
     its colour-swapped pair (the same four words bound the other way) is a training pair; "one group" otherwise."""
-    from fastvideo.toyworld.scenes import HELDOUT_OBJECT_PAIRS, parse_prompt
+    from fastvideo.toyworld.scenes import SceneSpec, is_heldout, parse_prompt
 
-    groups = parse_prompt(prompt).groups
-    if len(groups) == 1:
+    spec = parse_prompt(prompt)
+    if len(spec.groups) == 1:
         return "one group", ""
-    (_, c1, s1), (_, c2, s2) = groups
-    pair = frozenset(((c1, s1), (c2, s2)))
-    split = "held-out" if pair in HELDOUT_OBJECT_PAIRS else "train"
-    swap = "one shape" if s1 == s2 else (
-        "swap held-out" if frozenset(((c1, s2), (c2, s1))) in HELDOUT_OBJECT_PAIRS else "swap train")
-    return " + ".join(" ".join(obj) for obj in sorted(pair)), f"{split}, {swap}"
+    (n1, c1, s1), (n2, c2, s2) = spec.groups
+    split = "held-out" if is_heldout(spec) else "train"
+    swapped = SceneSpec(((n1, c2, s1), (n2, c1, s2)), spec.relation)
+    swap = "one shape" if s1 == s2 else ("swap held-out" if is_heldout(swapped) else "swap train")
+    return " + ".join(sorted(f"{c} {s}" for c, s in ((c1, s1), (c2, s2)))), f"{split}, {swap}"
 
 
 def failure_table(folders: list[Path], by_pair: bool = False) -> str:
