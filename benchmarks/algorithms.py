@@ -79,11 +79,11 @@ TRAIN_REWARD = {"--reward": "toyworld:1.0"}
 # (scripts/demos/nft_toyworld.yaml)
 NFT_SIGMAS = {"--timestep_fraction": "0.99"}
 # the tuned DPO runs sample and pair as the DPO demo did when they were measured: 8 prompts x 8 samples, noise on every
-# step at eta 0.7, independent initial noise, one (noise, sigma) draw per pair; the demo now pairs 16 x 4 samples
-# differing in the noise of steps 0-1, 4 draws each (scripts/demos/dpo_toyworld.yaml). The published run's --sampler
-# ode sets these aside by itself (its flags yield the demo's SDE ones)
+# step at eta 0.7, independent initial noise, one (noise, sigma) draw per pair, rollouts of 64; the demo now pairs
+# 32 x 4 samples differing in the noise of steps 0-1, 4 draws each (scripts/demos/dpo_toyworld.yaml). The published
+# run's --sampler ode sets these aside by itself (its flags yield the demo's SDE ones)
 DPO_DEMO_THEN = {"--eta": "0.7", "--num_generations": "8", "--prompts_per_step": "8", "--timesteps_per_pair": "1",
-                 "--sde_window_size": "0", "--no-init_same_noise": ""}
+                 "--sde_window_size": "0", "--no-init_same_noise": "", "--rollout_batch_size": "64"}
 SETTINGS = ("published", "tuned")
 REFERENCE = "grpo"  # the efficiency summary's baseline
 LEARNING_RATES = ("1e-4", "3e-4")  # the tuning candidates: every objective's base flags at each learning rate
