@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
-from suite_rules import (pytest_collection_modifyitems, pytest_runtest_makereport,  # noqa: E402,F401
-                         pytest_sessionfinish, pytest_terminal_summary)  # the default timeout; undeclared skips fail CI
+from suite_rules import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401
+                         pytest_runtest_makereport, pytest_sessionfinish,
+                         pytest_terminal_summary)  # tiers, covers, evidence shards, timeouts, undeclared skips, FLAKY
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -43,8 +44,10 @@ def hps_flags(tmp_path_factory) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def toy_world(tmp_path_factory) -> dict[str, Path]:
-    """The toy-world FLUX built from the shipped weights, and embeddings (16 T5 tokens) of every training prompt and
-    of the first 64 held-out prompts (a seeded random subset): ``{"model", "train", "heldout"}`` paths."""
+    """The one toy world of the test run, built once (~15 s) and read-only to tests: the toy-world FLUX built from
+    the shipped weights, its prompt files, and embeddings (16 T5 tokens) of every training prompt, of the first 64
+    held-out prompts (a seeded random subset) and of every held-out prompt: ``{"model", "prompts", "train",
+    "heldout", "heldout_all"}`` paths (``prompts``: the folder of train.txt and heldout.txt)."""
     from helpers import make_embeddings
 
     from fastvideo.toyworld.scenes import write_prompt_files
@@ -53,8 +56,10 @@ def toy_world(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("toyworld")
     model = build_from_shipped(root / "model")
     files = write_prompt_files(root / "prompts")
-    out = {"model": model}
-    for split, n in (("train", 100_000), ("heldout", 64)):
+    out = {"model": model, "prompts": root / "prompts"}
+    for split, source, n in (("train", "train", 100_000), ("heldout", "heldout", 64),
+                             ("heldout_all", "heldout", 100_000)):
         (root / split).mkdir()
-        out[split] = make_embeddings(model, root / split, n, "--max_sequence_length", "16", prompt_file=files[split])
+        out[split] = make_embeddings(model, root / split, n, "--max_sequence_length", "16", prompt_file=files[source])
     return out
+

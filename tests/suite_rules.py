@@ -1,24 +1,42 @@
-"""Suite-wide rules (a pytest plugin, loaded by conftest.py): a default per-test timeout, and in CI a test that was
-meant to run but skipped fails the session.
+"""Suite-wide rules (a pytest plugin, loaded by conftest.py): the three tiers and their covers, the evidence shards, a
+default per-test timeout, undeclared skips, and the one retry a known transport crash may have.
 
-- Timeout: every test without its own ``@pytest.mark.timeout(N)`` gets ``DEFAULT_TIMEOUT_S`` (``SLOW_TIMEOUT_S`` when
-  marked ``slow``), counted over its setup, call and teardown (module fixtures included), so a hang ends the test
+- Tiers: a test is in the default tier unless marked ``slow`` (variants and end-to-end paths) or ``evidence`` (what
+  proves the science and the numbers). Both markers take ``cover="test_file.py::test_name[param]"``, a default-tier
+  test that runs the same path, and ``cost_s=N``, what the test costs alone on 2 cores (seconds). ``cover_problems``
+  checks every marked test against the collected items: the cover exists and is neither slow nor evidence.
+- Evidence shards: ``--evidence-shard K/N`` keeps shard K (0-based) of N of the evidence tests. A test file is one unit
+  (its module fixtures run once); units go to shards longest first, each to the shard with the least declared cost so
+  far (ties: the lower shard), so the split depends on the markers alone. ``.ci/run`` picks the shard from the commit.
+- Timeout: every test without its own ``@pytest.mark.timeout(N)`` gets ``DEFAULT_TIMEOUT_S`` (``LONG_TIMEOUT_S`` when
+  slow or evidence), counted over its setup, call and teardown (module fixtures included), so a hang ends the test
   instead of waiting out each subprocess's own limit.
 - Skips: only a declared ``@pytest.mark.skip`` / ``@pytest.mark.skipif(..., reason=...)`` may skip. A skip raised at
   run time (``pytest.skip``, ``pytest.importorskip``, a fixture that skips) is listed at the end of every run, and
   with ``FASTVIDEO_CI=1`` (set by ``.ci/run``) or ``CI=true`` it fails the session: a missing dependency or a path
   that silently stopped running must not pass as green.
+- Crashes: ``crash_signature`` reads a failed distributed job's output; ``helpers.run_torchrun`` retries a job once
+  only when a rank was killed by a signal with the known gloo transport signature, and ``note_flaky`` puts
+  ``FLAKY: <test> <first crash report>`` into the run's summary.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 DEFAULT_TIMEOUT_S = 420  # the default suite's slowest test, module fixture included, takes ~2 minutes
-SLOW_TIMEOUT_S = 1500  # the slow tier's longest tests (learning-margin runs) take ~5 minutes
+LONG_TIMEOUT_S = 1500  # the slow and evidence tiers' longest tests (learning-margin runs) take ~5 minutes
+TIERS = ("slow", "evidence")
 
 _undeclared: list[str] = []
+_flaky: list[str] = []
+_summary: dict | None = None  # covers and shards, set when a collection held every test file of the suite
+EVIDENCE_SHARDS = 3  # .ci/run runs one of them per landing
+_shard_note: list[str] = []
 
 
 def in_ci() -> bool:
@@ -26,14 +44,159 @@ def in_ci() -> bool:
     return os.environ.get("FASTVIDEO_CI") == "1" or os.environ.get("CI", "").lower() in ("1", "true")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fastvideo suite")
+    group.addoption("--evidence-shard", default=None, metavar="K/N",
+                    help="keep shard K (0-based) of N of the evidence tests (a test file is one unit)")
+    group.addoption("--check-covers", action="store_true",
+                    help="fail the collection when a slow or evidence test names no valid default-tier cover")
+    group.addoption("--suite-summary", default=None, metavar="PATH",
+                    help="write the collection's cover problems and evidence shards (files, declared seconds) as JSON")
+
+
+def tier_of(item: pytest.Item) -> str:
+    """``slow``, ``evidence`` or ``default``."""
+    for name in TIERS:
+        if item.get_closest_marker(name) is not None:
+            return name
+    return "default"
+
+
+def _cover_key(nodeid: str) -> str:
+    """A node id as a cover names it: the path below ``tests/`` (``test_x.py::test_y[param]``)."""
+    path, sep, rest = nodeid.partition("::")
+    return Path(path).name + sep + rest
+
+
+def cover_problems(items: list[pytest.Item]) -> list[str]:
+    """Every slow or evidence test names ``cover=`` (a collected default-tier test; without ``[param]`` at least one
+    of its cases must be default-tier) and ``cost_s=`` (a positive number); one line per problem."""
+    tiers: dict[str, str] = {}
+    for item in items:
+        tiers[_cover_key(item.nodeid)] = tier_of(item)
+    problems = []
+    for item in items:
+        tier = tier_of(item)
+        if tier == "default":
+            continue
+        marker = item.get_closest_marker(tier)
+        where = f"{_cover_key(item.nodeid)} ({tier})"
+        cost = marker.kwargs.get("cost_s")
+        if not isinstance(cost, (int, float)) or cost <= 0:
+            problems.append(f"{where}: no cost_s=SECONDS (what it costs alone on 2 cores)")
+        cover = marker.kwargs.get("cover")
+        if not cover:
+            problems.append(f"{where}: no cover=\"test_file.py::test_name\" (the default-tier test of its path)")
+            continue
+        found = {k: t for k, t in tiers.items() if k == cover or (k.split("[")[0] == cover and "[" not in cover)}
+        if not found:
+            problems.append(f"{where}: its cover {cover} is not a collected test")
+        elif all(t != "default" for t in found.values()):
+            problems.append(f"{where}: its cover {cover} is itself {'/'.join(sorted(set(found.values())))}, "
+                            "not in the default tier")
+    return problems
+
+
+def evidence_costs(items: list[pytest.Item]) -> dict[str, float]:
+    """Each evidence test file's declared seconds (the sum of its tests' ``cost_s``)."""
+    costs: dict[str, float] = {}
+    for item in items:
+        marker = item.get_closest_marker("evidence")
+        if marker is not None:
+            costs[item.path.name] = costs.get(item.path.name, 0.0) + float(marker.kwargs.get("cost_s", 0) or 0)
+    return costs
+
+
+def evidence_shards(items: list[pytest.Item], n: int) -> list[list[str]]:
+    """The evidence test files of each of ``n`` shards: longest declared cost first, each to the lightest shard."""
+    costs = evidence_costs(items)
+    shards: list[list[str]] = [[] for _ in range(n)]
+    loads = [0.0] * n
+    for name in sorted(costs, key=lambda f: (-costs[f], f)):
+        k = min(range(n), key=lambda i: (loads[i], i))
+        shards[k].append(name)
+        loads[k] += costs[name]
+    return shards
+
+
+def _parse_shard(spec: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", spec or "")
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise pytest.UsageError(f"--evidence-shard {spec}: give K/N with 0 <= K < N, e.g. --evidence-shard 1/3")
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give every test without a ``timeout`` marker the suite's default for its tier."""
+    """Give every test without a ``timeout`` marker its tier's default, check the covers when every test file was
+    collected (or on ``--check-covers``), and keep one evidence shard on ``--evidence-shard``. Runs before ``-m``
+    deselects, so it sees every tier."""
+    global _summary
     for item in items:
         if item.get_closest_marker("timeout") is None:
-            slow = item.get_closest_marker("slow") is not None
-            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S if slow else DEFAULT_TIMEOUT_S))
+            long = tier_of(item) != "default"
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S if long else DEFAULT_TIMEOUT_S))
+    files = {item.path for item in items}
+    suite = Path(__file__).resolve().parent
+    if config.getoption("check_covers") or set(suite.glob("test_*.py")) <= files:
+        costs = evidence_costs(items)
+        _summary = {"cover_problems": cover_problems(items),
+                    "shards": [{"files": f, "cost_s": sum(costs[x] for x in f)}
+                               for f in evidence_shards(items, EVIDENCE_SHARDS)]}
+        if config.getoption("suite_summary"):
+            Path(config.getoption("suite_summary")).write_text(json.dumps(_summary, indent=1))
+        if config.getoption("check_covers") and _summary["cover_problems"]:
+            raise pytest.UsageError("covers:\n" + "\n".join(_summary["cover_problems"]))
+    spec = config.getoption("evidence_shard")
+    if spec:
+        k, n = _parse_shard(spec)
+        keep = set(evidence_shards(items, n)[k])
+        _shard_note[:] = [f"evidence shard {k}/{n}: {', '.join(sorted(keep)) or 'no files'}"]
+        drop = [i for i in items if tier_of(i) == "evidence" and i.path.name not in keep]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [i for i in items if i not in set(drop)]
 
 
+def suite_summary() -> dict | None:
+    """``{"cover_problems": [...], "shards": [{"files", "cost_s"}, ...]}`` of this session's collection, or None when
+    it did not hold every test file."""
+    return _summary
+
+
+# --------------------------------------------------------------------------------------------------------- crashes
+# The one crash a job may be retried for: a rank aborted inside gloo's TCP transport (a C++ exception from
+# gloo/transport/tcp escaping into std::terminate), as CI saw once in 2-rank CPU jobs with no Python error. Its
+# fault-handler dump names the gloo exception type or the transport source file.
+GLOO_TRANSPORT = re.compile(r"terminate called after throwing an instance of 'gloo::(?:IoException|EnforceNotMet)'"
+                            r"|gloo/transport/tcp/\w+\.cc")
+# torchrun's report of a rank killed by a signal (not a rank that raised, whose peers the agent then stops)
+SIGNAL_EXIT = re.compile(r"failed \(exitcode: -\d+\)|Root Cause \(first observed failure\):.*?exitcode\s*:\s*-\d+",
+                         re.S)
+CRASH_MARKERS = ("Fatal Python error", "terminate called")
+
+
+def crash_report(output: str, size: int = 3000) -> str:
+    """The first native crash report of a job's output (from ``Fatal Python error`` or ``terminate called``)."""
+    starts = [i for i in (output.find(m) for m in CRASH_MARKERS) if i >= 0]
+    return output[min(starts):min(starts) + size] if starts else ""
+
+
+def crash_signature(output: str) -> str | None:
+    """``"gloo-transport"`` when a rank was killed by a signal inside gloo's TCP transport, ``"other-signal"`` for any
+    other signal death, None when no rank died by a signal."""
+    if not SIGNAL_EXIT.search(output):
+        return None
+    return "gloo-transport" if GLOO_TRANSPORT.search(crash_report(output, size=20000) or output) else "other-signal"
+
+
+def note_flaky(report: str) -> None:
+    """Record a retried crash for the summary: ``FLAKY: <test> <first crash report>``."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    _flaky.append(f"FLAKY: {test} {report}")
+
+
+# --------------------------------------------------------------------------------------------------------- reports
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Note every skip that no ``skip``/``skipif`` marker of the test declared."""
@@ -47,7 +210,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """List the undeclared skips; in CI they fail the run (``pytest_sessionfinish``)."""
+    """List the undeclared skips (in CI they fail the run: ``pytest_sessionfinish``), the retried crashes and the
+    evidence shard that ran."""
+    if _flaky:
+        terminalreporter.section("retried after a known gloo transport crash", sep="=", yellow=True)
+        for line in _flaky:
+            terminalreporter.line(line)
     if _undeclared:
         verdict = "failing the run (CI)" if in_ci() else "(would fail in CI)"
         terminalreporter.section(f"undeclared skips {verdict}", sep="=", red=True)
@@ -55,6 +223,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.line(line)
         terminalreporter.line("a test meant to run was skipped: install what it needs (pip install -e '.[test]'), "
                               "or declare the variant with @pytest.mark.skipif(condition, reason=...)")
+    for line in _shard_note:
+        failed = exitstatus not in (0, 5)
+        terminalreporter.line(("FAILED in " if failed else "") + line, red=failed)
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,25 +1,30 @@
-"""The suite's own rules (tests/suite_rules.py), run on a scratch test file by a child pytest: in CI an undeclared skip
-fails the run while a declared skipif variant does not, and a test without its own limit is stopped by the default
-per-test timeout."""
+"""The suite's own rules (tests/suite_rules.py), mostly run on a scratch test file by a child pytest: in CI an
+undeclared skip fails the run while a declared skipif variant does not; a test without its own limit is stopped by the
+default per-test timeout; every slow and evidence test names a default-tier cover (and the check fails when one is
+renamed to a slow test); the evidence shards; the one retry of a known gloo transport crash."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
-def child_pytest(tmp_path: Path, source: str, *, ci: bool, timeout_s: int | None = None) -> subprocess.CompletedProcess:
+def child_pytest(tmp_path: Path, source: str, *, ci: bool, timeout_s: int | None = None, extra: tuple[str, ...] = (),
+                 ini: str = "[pytest]\n") -> subprocess.CompletedProcess:
     """``pytest -p suite_rules`` on ``source`` in an empty root (no conftest, no pytest.ini of ours)."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "pytest.ini").write_text(ini)
     (tmp_path / "test_scratch.py").write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "FASTVIDEO_CI", "PYTEST_ADDOPTS")}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     if ci:
         env["FASTVIDEO_CI"] = "1"
-    extra = [] if timeout_s is None else ["-o", f"timeout={timeout_s}"]
+    extra = [*extra, *([] if timeout_s is None else ["-o", f"timeout={timeout_s}"])]
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_rules", "-p", "no:cacheprovider",
                            *extra, "test_scratch.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -73,8 +78,152 @@ def test_the_default_timeout_stops_a_hanging_test(tmp_path):
 def test_every_collected_test_carries_its_tiers_timeout(request):
     """The hook gave this default-tier test the default limit; the slow tier's is longer, and both fit CI's 90
     minutes many times over."""
-    from suite_rules import DEFAULT_TIMEOUT_S, SLOW_TIMEOUT_S
+    from suite_rules import DEFAULT_TIMEOUT_S, LONG_TIMEOUT_S
 
     marker = request.node.get_closest_marker("timeout")
     assert marker is not None and marker.args == (DEFAULT_TIMEOUT_S,)
-    assert DEFAULT_TIMEOUT_S < SLOW_TIMEOUT_S <= 30 * 60
+    assert DEFAULT_TIMEOUT_S < LONG_TIMEOUT_S <= 30 * 60
+
+
+COVERED = '''
+import pytest
+
+def test_fast_path():
+    assert True
+
+@pytest.mark.slow(cover="test_scratch.py::test_fast_path", cost_s=30)
+def test_long_path():
+    assert True
+
+@pytest.mark.evidence(cover="test_scratch.py::test_fast_path", cost_s=120)
+def test_the_numbers():
+    assert True
+'''
+
+
+def test_the_cover_check_fails_when_a_cover_is_slow_evidence_or_missing(tmp_path):
+    """--check-covers on a scratch suite: valid covers collect; the same suite with its cover renamed to a slow test,
+    moved to the evidence tier, or gone fails the collection naming the test and the fix."""
+    ini = ("[pytest]\nmarkers =\n    slow(cover, cost_s): x\n    evidence(cover, cost_s): x\n")
+    good = child_pytest(tmp_path, COVERED, ci=True, extra=("--check-covers", "--collect-only"), ini=ini)
+    assert good.returncode == 0, good.stdout + good.stderr
+    renamed = COVERED.replace("def test_fast_path", "@pytest.mark.slow(cover='test_scratch.py::test_long_path', "
+                              "cost_s=1)\ndef test_fast_path")
+    out = child_pytest(tmp_path, renamed, ci=True, extra=("--check-covers", "--collect-only"), ini=ini)
+    assert out.returncode != 0
+    assert ("test_scratch.py::test_long_path (slow): its cover test_scratch.py::test_fast_path is itself slow, not in "
+            "the default tier") in out.stdout + out.stderr
+    as_evidence = COVERED.replace("def test_fast_path", "@pytest.mark.evidence\ndef test_fast_path")
+    out = child_pytest(tmp_path, as_evidence, ci=True, extra=("--check-covers", "--collect-only"), ini=ini)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "its cover test_scratch.py::test_fast_path is itself evidence" in text
+    assert "test_scratch.py::test_fast_path (evidence): no cost_s=SECONDS" in text
+    gone = COVERED.replace("def test_fast_path", "def test_fast_path_renamed")
+    out = child_pytest(tmp_path, gone, ci=True, extra=("--check-covers", "--collect-only"), ini=ini)
+    assert out.returncode != 0
+    assert "its cover test_scratch.py::test_fast_path is not a collected test" in out.stdout + out.stderr
+
+
+_CHILD_SUMMARY: list[dict] = []  # a child collection's summary, made once per session
+
+
+def _suite_summary(tmp_path: Path) -> dict:
+    """The covers and shards of the whole suite: this session's when it collected every test file (the default
+    run), else a child collection's (~5 s, once)."""
+    from suite_rules import suite_summary
+
+    summary = suite_summary() or (_CHILD_SUMMARY[0] if _CHILD_SUMMARY else None)
+    if summary is None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "", "-p",
+                              "no:cacheprovider", f"--suite-summary={tmp_path / 's.json'}", str(TESTS)],
+                             cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-6000:]
+        summary = json.loads((tmp_path / "s.json").read_text())
+        _CHILD_SUMMARY.append(summary)
+    return summary
+
+
+def test_every_slow_and_evidence_test_names_a_default_cover_and_its_cost(tmp_path):
+    """The suite's own markers: every slow and evidence test names a default-tier cover that exists and its cost."""
+    problems = _suite_summary(tmp_path)["cover_problems"]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_suites_evidence_shards_each_fit_ci_s_ten_minutes(tmp_path):
+    """Each of the three evidence shards declares at most 10 minutes (.ci/run gives one landing's shard 15 before it
+    stops it), and together they hold every evidence test file."""
+    shards = _suite_summary(tmp_path)["shards"]
+    assert len(shards) == 3 and all(s["files"] for s in shards), shards
+    assert max(s["cost_s"] for s in shards) <= 600, shards
+
+
+def _items(costs: dict[str, list[float]]):
+    """Stand-ins for collected evidence items: file name -> the declared costs of its tests."""
+    class Item:
+        def __init__(self, name: str, cost: float):
+            self.path = Path("/x") / name
+            self._marker = pytest.mark.evidence(cover="c", cost_s=cost).mark
+
+        def get_closest_marker(self, name):
+            return self._marker if name == "evidence" else None
+
+    return [Item(name, c) for name, cs in costs.items() for c in cs]
+
+
+def test_evidence_shards_split_by_file_longest_first_and_cover_every_file():
+    """Files are units; the longest goes first to the lightest shard (ties: the lower one); every file is in exactly
+    one shard, so every evidence test runs once in three consecutive landings."""
+    from suite_rules import evidence_shards
+
+    items = _items({"a.py": [300, 200], "b.py": [400], "c.py": [100, 100], "d.py": [250], "e.py": [50]})
+    shards = evidence_shards(items, 3)
+    # costs: a 500, b 400, d 250, c 200, e 50 -> a:0, b:1, d:2 (250), c:2 (450), e:1 (450)
+    assert shards == [["a.py"], ["b.py", "e.py"], ["d.py", "c.py"]]
+    assert sorted(f for s in shards for f in s) == ["a.py", "b.py", "c.py", "d.py", "e.py"]
+    assert evidence_shards(items, 1) == [["a.py", "b.py", "d.py", "c.py", "e.py"]]
+
+
+CRASHER = '''
+import os, sys
+from pathlib import Path
+
+count = Path(sys.argv[1])
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+if n <= int(sys.argv[2]):
+    sys.stderr.write(sys.argv[3] + "\\n")
+    sys.stderr.flush()
+    os.abort()
+'''
+GLOO_ABORT = ("terminate called after throwing an instance of 'gloo::IoException'\n  what():  "
+              "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: Connection reset")
+OTHER_ABORT = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call first):\n  File x.py"
+
+
+@pytest.mark.parametrize("report, crashes, attempts, ok", [(GLOO_ABORT, 1, 2, True), (GLOO_ABORT, 2, 2, False),
+                                                           (OTHER_ABORT, 1, 1, False)],
+                         ids=["gloo-once-retried", "gloo-twice-fails", "other-signal-fails"])
+def test_a_signal_killed_job_is_retried_once_only_for_the_gloo_transport_signature(tmp_path, report, crashes,
+                                                                                    attempts, ok):
+    """A rank aborted with gloo's transport exception runs once more and the run's summary gets ``FLAKY: <test>
+    <crash report>``; a second such crash, or any other signal death, fails at once with the report."""
+    import suite_rules
+    from helpers import run_torchrun
+
+    script, count = tmp_path / "crash.py", tmp_path / "count"
+    script.write_text(CRASHER)
+    before = len(suite_rules._flaky)
+    try:
+        run_torchrun([str(script), str(count), str(crashes), report], nproc=1, timeout=120)
+        passed = True
+    except AssertionError as err:
+        passed = False
+        assert report.splitlines()[0] in str(err)
+    assert (passed, int(count.read_text())) == (ok, attempts)
+    flaky = suite_rules._flaky[before:]
+    assert len(flaky) == (1 if report == GLOO_ABORT else 0)
+    if flaky:
+        assert flaky[0].startswith("FLAKY: tests/test_suite_rules.py::test_a_signal_killed_job_is_retried_once_only")
+        assert "gloo::IoException" in flaky[0]
+        del suite_rules._flaky[before:]  # the mechanism's own test is not a flaky run of the suite
