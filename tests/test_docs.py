@@ -11,7 +11,9 @@ unmarked block fails ``test_every_bash_block_is_marked``:
 holding a symlink to every top-level entry of the repository except ``data/`` and ``outputs/``, so the commands'
 relative paths work and what they write (``data/...``, ``outputs/...``) lands in the temporary folder. ``python`` is
 this interpreter's; the launchers' env vars are unset, ``MASTER_PORT`` is a free port, ``OMP_NUM_THREADS`` 1 unless set.
-  - ``slow``: the block is a ``-m slow`` case (the default tier's run blocks take ~80 s together on 2 busy cores).
+  - ``slow``: the block is a ``-m slow`` case (the default tier's run blocks take ~80 s together on 2 busy cores);
+    ``cover=TEST`` names its default-tier cover and ``cost=SECONDS`` its cost, as the ``slow`` marker's arguments
+    (tests/suite_rules.py checks them).
   - ``id=NAME`` names the block; ``after=NAME`` runs this block in NAME's workspace after NAME (which is run first if
     it has not run in this session): commands that read what another block wrote (sampling after a demo). A
     default-tier block cannot come after a slow one.
@@ -29,7 +31,8 @@ trainer the launcher runs), every ``VAR=`` prefix of a launcher is a variable th
 runs) reads, and every path into the repository's own folders (``--config scripts/recipes/...``, ``RECIPE=...``)
 exists. Every ``run`` block's commands (appended flags included) get the same check in the default tier.
 ``ci``: CI runs the block itself: ``.ci/run`` (traced with ``VENV`` pointing at a stub python that records its
-arguments) must run each ``python -m pytest ...`` command with exactly those arguments; install commands must name
+arguments) must run each ``python -m pytest ...`` command with exactly those arguments (the evidence tier's with
+``--evidence-shard K/N`` after them: CI runs one shard); install commands must name
 extras setup.py has, and ``.ci/run`` must make a venv and pip install the package with -e.
 
 The links of every page (relative files, ``#anchors`` by GitHub's rules) must resolve, docs/README.md and README.md
@@ -60,7 +63,7 @@ README_MAX_LINES = 300
 COMMAND_LANGS = {"bash", "sh", "shell"}
 MARKER_RE = re.compile(r"^\s*<!--\s*doc-test:(.*?)-->\s*$")
 FENCE_RE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
-RUN_KEYS = {"id", "after", "append", "to", "parse-only"}
+RUN_KEYS = {"id", "after", "append", "to", "parse-only", "cover", "cost"}
 # env vars of a process, not of a launcher: accepted as prefixes of any command
 PROCESS_ENV = {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "WANDB_MODE",
                "MALLOC_MMAP_THRESHOLD_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "HF_HUB_OFFLINE"}
@@ -370,6 +373,13 @@ def check_install(tokens: list[str]) -> list[str]:
         if not any(c[:3] == ["-m", "pip", "install"] and "-e" in c and any(re.fullmatch(r"\.(\[[\w,]+\])?", a)
                                                                           for a in c) for c in ci_invocations()):
             problems.append(".ci/run does not pip install -e the package")
+        if "-c" in tokens:  # the tested versions: the file exists and CI installs with it
+            pins = tokens[tokens.index("-c") + 1]
+            if not (ROOT / pins).is_file():
+                problems.append(f"-c {pins}: no such file")
+            if not any(c[:3] == ["-m", "pip", "install"] and c[c.index("-c") + 1:c.index("-c") + 2] == [pins]
+                       for c in ci_invocations() if "-c" in c):
+                problems.append(f".ci/run does not install with -c {pins}")
     return problems
 
 
@@ -569,7 +579,8 @@ def check_ci_command(cmd: Command) -> list[str]:
         return [] if (ROOT / ".ci" / "run").is_file() else [".ci/run: no such file"]
     if prog.startswith("python") and cmd.tokens[1:3] == ["-m", "pytest"]:
         want = cmd.tokens[1:]
-        if want in ci_invocations():
+        # the evidence tier's command runs in CI as one shard of it (tests/suite_rules.py, docs/testing.md)
+        if any(c == want or (c[:-2] == want and c[-2] == "--evidence-shard") for c in ci_invocations()):
             return []
         calls = "; ".join(" ".join(c) for c in ci_invocations() if c[:2] == ["-m", "pytest"]) or "none"
         return [f".ci/run does not run `python {' '.join(want)}` with exactly these arguments (its pytest calls: "
@@ -645,6 +656,16 @@ def run_script(block: Block) -> str:
 
 
 _RESULTS: dict[str, tuple[Path, bool, str]] = {}  # block id (or where) -> (workspace, ok, message)
+_OUTPUTS: dict[str, str] = {}  # block id (or where) -> its stdout + stderr
+
+
+def doc_workspace(block_id: str, tmp_factory) -> tuple[Path, str]:
+    """The workspace of the run block ``block_id`` and its output, after it ran (once per session): a test that checks
+    what a documented command wrote reads it here instead of running the command again."""
+    block = blocks_by_id()[block_id]
+    workspace, ok, msg = execute(block, tmp_factory)
+    assert ok, msg
+    return workspace, _OUTPUTS.get(block.marker.id or block.where, "")
 
 
 def execute(block: Block, tmp_factory) -> tuple[Path, bool, str]:
@@ -666,6 +687,7 @@ def execute(block: Block, tmp_factory) -> tuple[Path, bool, str]:
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workspace, env=run_env(),
                               capture_output=True, text=True, timeout=timeout)
         ok = proc.returncode == 0
+        _OUTPUTS[key] = proc.stdout + "\n" + proc.stderr
         tail = "\n".join((proc.stdout + "\n" + proc.stderr).strip().splitlines()[-60:])
         msg = (f"{block.where}: exit {proc.returncode} in {workspace}\n--- script ---\n{script}"
                f"--- output (tail) ---\n{tail}")
@@ -739,7 +761,9 @@ def _params(run_only: bool) -> list:
     for block in command_blocks():
         if block.problem or (run_only and block.marker.mode != "run"):
             continue
-        marks = [pytest.mark.slow] if run_only and block.marker.slow else []
+        opts = block.marker.opts
+        cost = float(opts["cost"]) if "cost" in opts else None
+        marks = [pytest.mark.slow(cover=opts.get("cover"), cost_s=cost)] if run_only and block.marker.slow else []
         params.append(pytest.param(block, id=block.where, marks=marks))
     return params
 

@@ -63,7 +63,8 @@ def _check_rows(rows: list[dict], name: str) -> None:
 # slow for the default suite's time: by default GRPO-Guard and Flow-DPPO train end to end in test_families.py (two
 # optimizer steps per rollout, every family), the sliding window and both micro-batch switches run through
 # update_policy in the pretend-CUDA trace (test_fake_cuda.py), and their orders are unit-tested here
-@pytest.mark.slow
+@pytest.mark.slow(
+    cover="test_families.py::test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads[flux2]", cost_s=40)
 @pytest.mark.parametrize("name", ["guard+sliding+shuffle+drop", "dppo+first+population+dance_kl"])
 def test_variant_is_on_policy_and_resumes_exactly(tiny_flux_dir, data, tmp_path, name):
     """3 steps on 2 ranks, then the same run resumed from its step-2 checkpoint logs the same step 3 (the window
@@ -77,7 +78,7 @@ def test_variant_is_on_policy_and_resumes_exactly(tiny_flux_dir, data, tmp_path,
 
 
 # slow (~30 s): what makes the objectives' toy-world controls below cheap (benchmarks/objectives.py's CONTROL)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_grpo_objectives.py::test_training_order_is_world_size_invariant", cost_s=25)
 def test_a_run_at_reward_weight_0_with_drop_trains_nothing_and_samples_as_lr_0(tiny_flux_dir, data, tmp_path):
     """An lr-0 control at the cost of its rollouts: at reward weight 0 every advantage is 0 and --drop_zero_advantage
     trains no sample (no forward, no optimizer step), and its rollouts are the lr-0 run's, reward for reward."""
@@ -173,28 +174,28 @@ def test_training_order_is_world_size_invariant(drop, shuffle):
 
 
 @pytest.fixture(scope="module")
-def objective_runs(tmp_path_factory):
-    """benchmarks/objectives.py's toy-world runs for seed 0 (2 ranks, through the demo launchers, one shared
-    DATA_DIR): a function ``runs(name, steps) -> (trained rows, control rows)``; each run is made once and reused
+def objective_runs(toy_world, tmp_path_factory):
+    """benchmarks/objectives.py's toy-world runs for seed 0 (2 ranks, through the demo launchers, on the session's
+    toy world): a function ``runs(name, steps) -> (trained rows, control rows)``; each run is made once and reused
     (clip, guard and dppo share one control folder: give them the same ``steps``)."""
     import sys
 
-    from helpers import REPO
+    from helpers import REPO, toy_data_dir
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import objectives
 
     root = tmp_path_factory.mktemp("objectives")
+    data = toy_data_dir(toy_world, root)
 
     def runs(name: str, steps: int):
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # as the benchmark that chose the margins ran (thread count: rounding)
         try:
-            return tuple(objectives.rows(objectives.run(root / "out", "toyworld", name, 0, steps, root / "data",
+            return tuple(objectives.rows(objectives.run(root / "out", "toyworld", name, 0, steps, data,
                                                         control=c)) for c in (False, True))
         finally:
             os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
-    runs.data_dir = root / "data"  # the toy FLUX and its embeddings, built by the first launch
     return runs
 
 
@@ -213,7 +214,7 @@ LEARN: dict[str, tuple[int, float]] = {"guard": (40, 0.0080), "dppo": (40, 0.007
 GAIN_STEPS = 30
 
 
-@pytest.mark.slow
+@pytest.mark.evidence(cover="test_algorithms_study.py::test_smoke_runs_grpo_and_awm", cost_s=110)
 @pytest.mark.parametrize("name", ["guard", "dppo", "sliding", "awm"])
 def test_objective_learns(objective_runs, name):
     """Each new objective raises the toy world's training reward (prompt following of the pretrained toy FLUX) above
@@ -238,45 +239,6 @@ def test_objective_learns(objective_runs, name):
         assert max(abs(r["ratio_mean"] - 1) for r in trained) < 1e-5
     else:
         assert max(r["ratio_first_update_max_dev"] for r in trained) < 1e-5
-
-
-# slow (~1.5 min); each launcher once (GRPO's with the sliding window, NFT's with AWM): GRPO-Guard's and Flow-DPPO's
-# losses keep no state of their own, and they resume exactly on the tiny preset in
-# test_variant_is_on_policy_and_resumes_exactly (with the sliding window and both micro-batch switches)
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["sliding", "awm"])
-def test_objective_resumes_exactly_in_the_toy_world(objective_runs, tmp_path, name):
-    """An objective of each launcher with its toy-world flags (the learning runs' above), on 2 ranks:
-    3 steps with a checkpoint at step 2, then the same command on a copy cut back to that checkpoint (the launchers
-    pass --resume_from latest) logs the same step 3 and the same final evaluation."""
-    import subprocess
-    import sys
-
-    from helpers import REPO, assert_same_metrics, cut_back
-
-    import objectives
-    from algorithms import LAUNCHERS, flag_list
-
-    launcher, flags, _ = objectives.WORLDS["toyworld"][name]
-    args = [*flag_list(flags), "--seed", "0", "--max_train_steps", "3", "--checkpointing_steps", "2",
-            "--eval_max_prompts", "4", "--sample_every", "0", "--no-progress_bar"]
-
-    def launch(out):
-        env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(objective_runs.data_dir),
-               "OUTPUT_DIR": str(out), "DEMO": "toyworld", "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2"}
-        env.pop("MODEL_PATH", None)
-        proc = subprocess.run(["bash", LAUNCHERS[launcher], *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch(straight)
-    cut_back(straight, resumed, 2)
-    launch(resumed)
-    assert_same_metrics(straight, resumed)
-    rows = read_metrics(straight / "metrics.jsonl")
-    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
-    assert sum("eval/reward_toyworld" in r for r in rows) == 2  # before step 1 and after step 3
 
 
 def test_checkpoints_from_before_the_new_flags_still_resume():

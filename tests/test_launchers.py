@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port
+from helpers import REPO, free_port, toy_data_dir
+from test_docs import doc_workspace
 
 LAUNCHERS = ("scripts/finetune_flux_grpo.sh", "scripts/finetune_flux_dpo.sh", "scripts/finetune_flux_nft.sh")
 # each launcher's FLUX.1 recipe, given as RECIPE where a test is about something else: the default-recipe lookup (a
@@ -20,10 +22,11 @@ FLUX_RECIPES = {"scripts/finetune_flux_grpo.sh": "scripts/recipes/dancegrpo_hps.
 
 
 @pytest.fixture(scope="module")
-def demo_data_dir(tmp_path_factory) -> Path:
-    """One DATA_DIR for the demo launchers of this module: the first one builds the toy world (or the tiny FLUX) and
-    its embeddings there, the others reuse them, as a user's second demo would."""
-    return tmp_path_factory.mktemp("demo-data")
+def demo_data_dir(toy_world, tmp_path_factory) -> Path:
+    """One DATA_DIR for the demo launchers of this module: links to the session's toy world (built once for the test
+    run; the README's GRPO demo builds it from an empty data/, test_docs.py), and room for what a launcher writes
+    (the tiny FLUX, the offline demo's pairs)."""
+    return toy_data_dir(toy_world, tmp_path_factory.mktemp("demo-data"))
 
 
 def _demo_env(tmp_path: Path, data_dir: Path, out: str = "out", **extra: str) -> dict[str, str]:
@@ -33,51 +36,48 @@ def _demo_env(tmp_path: Path, data_dir: Path, out: str = "out", **extra: str) ->
     return env
 
 
-# slow for the default suite's time: a launcher demo runs in the default suite in test_docs.py (README's JPEG demo);
-# the toy-world demo YAMLs validate in test_demo_configs_validate
-@pytest.mark.slow
-def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path, demo_data_dir):
-    """The default demo: the toy FLUX (shipped weights), the prompt splits and their embeddings are built in DATA_DIR;
-    held-out accuracy is evaluated before step 1 and after the last step."""
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1",
-                           "--eval_max_prompts", "8"], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (demo_data_dir / "toy-flux" / "toyworld.json").is_file()
+# The README's demo commands run once, as documented, in test_docs.py (a workspace with an empty data/); these tests
+# check what they wrote (doc_workspace runs a block first if test_docs.py has not).
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_jpeg_demo", cost_s=1)
+def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path_factory):
+    """README's GRPO demo (2 steps): the toy FLUX (shipped weights), the prompt splits and their embeddings are built
+    in data/; held-out accuracy is evaluated before step 1 and after the last step."""
+    workspace, output = doc_workspace("grpo-demo", tmp_path_factory)
+    data, out = workspace / "data", workspace / "outputs" / "grpo-toyworld"
+    assert (data / "toy-flux" / "toyworld.json").is_file()
     for split, count in (("train", 1956), ("heldout", 672)):
-        manifest = json.loads((demo_data_dir / f"toyworld-{split}" / "manifest.json").read_text())
+        manifest = json.loads((data / f"toyworld-{split}" / "manifest.json").read_text())
         assert manifest["num_prompts"] == count and manifest["max_sequence_length"] == 16
-    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # the appended flag won over the launcher's default
     assert "eval/reward_toyworld_strict" in rows[0] and "eval/reward_toyworld_strict" in rows[2]
     assert "eval/reward_toyworld_strict" not in rows[1] and "reward_toyworld_strict" in rows[1]
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     assert config["reward"] == "toyworld:0.0,toyworld_strict:1.0" and config["device"] == "cpu"
     # trained on the strict check alone, the mean of the four checks logged beside it
     assert rows[1]["reward_mean"] == rows[1]["reward_toyworld_strict"] and "reward_toyworld" in rows[1]
     assert rows[0]["eval/reward_mean"] == rows[0]["eval/reward_toyworld_strict"] and "eval/reward_toyworld" in rows[0]
-    assert (tmp_path / "out" / "samples" / "eval-step-000000.png").is_file()
-    assert (tmp_path / "out" / "samples" / "eval-step-000002.png").is_file()
-    assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
-    assert "metrics: " in proc.stdout and "export: " in proc.stdout
+    assert (out / "samples" / "eval-step-000000.png").is_file()
+    assert (out / "samples" / "eval-step-000002.png").is_file()
+    assert (out / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert "metrics: " in output and "export: " in output
 
 
-@pytest.mark.slow  # 22 s; the default demo's launcher path is test_grpo_launcher_builds_the_toy_world_and_trains
-def test_grpo_launcher_jpeg_demo(tmp_path, demo_data_dir):
-    """DEMO=jpeg: the tiny FLUX made JPEG-compressible (the embedded default before the toy world)."""
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--max_train_steps", "2", "--sample_every", "1"],
-                          cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="jpeg"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (demo_data_dir / "tiny-flux" / "model_index.json").is_file()
-    manifest = json.loads((demo_data_dir / "tiny-flux-embeddings" / "manifest.json").read_text())
+def test_grpo_launcher_jpeg_demo(tmp_path_factory):
+    """README's DEMO=jpeg block (2 steps, then the plot): the tiny FLUX and its embeddings built in an empty data/,
+    GRPO run to completion through the launcher (its flag check, torchrun, training, export), its curves drawn."""
+    workspace, output = doc_workspace("jpeg-demo", tmp_path_factory)
+    data, out = workspace / "data", workspace / "outputs" / "grpo-tiny"
+    assert (data / "tiny-flux" / "model_index.json").is_file()
+    manifest = json.loads((data / "tiny-flux-embeddings" / "manifest.json").read_text())
     assert manifest["num_prompts"] == len([l for l in (REPO / "assets" / "prompts.txt").read_text().splitlines()
                                             if l.strip()])
-    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    config = json.loads((out / "config.json").read_text())
     assert config["reward"] == "jpeg_compressibility:1.0" and config["eval_prompts"] is None
-    assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (out / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (out / "plots.png").stat().st_size > 10_000 and "metrics: " in output
 
 
 def test_launchers_refuse_an_unknown_demo(tmp_path, demo_data_dir):
@@ -97,23 +97,24 @@ def test_grpo_launcher_with_model_path_needs_embeddings(tmp_path):
     assert "preprocess_flux_embeddings.sh" in proc.stderr
 
 
-# slow for the default suite's time (~16 s): the default suite plans FLUX.1-dev with the trainer's --dry_run
-# (test_memory.py) and checks what the launcher hands the trainer (launcher_argv tests)
-@pytest.mark.slow
-def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
-    """`MODEL_PATH=... bash scripts/finetune_flux_grpo.sh --dry_run --device cuda` on a folder of FLUX.1-dev configs:
-    the recipe's plan for 8 ranks, without embeddings, weights, torchrun or a GPU, within 80 GiB per GPU."""
-    from fastvideo.tiny import write_flux_dev_config
-
-    folder = write_flux_dev_config(tmp_path / "flux-dev")
-    env = {**os.environ, "PYTHON": sys.executable, "MODEL_PATH": str(folder), "DATA_DIR": str(tmp_path / "data"),
-           "OUTPUT_DIR": str(tmp_path / "out")}
-    proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--dry_run", "--device", "cuda"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "world_size=8" in proc.stdout and "samples_per_rank=24" in proc.stdout
-    assert "world size 8" in proc.stdout and "fits in 80 GiB" in proc.stdout
-    assert not (tmp_path / "out").exists()
+def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path_factory):
+    """docs/memory.md's block: `MODEL_PATH=data/flux-dev-config bash scripts/finetune_flux_grpo.sh --dry_run --device
+    cuda` on a folder of FLUX.1-dev configs (no weights, embeddings, torchrun or GPU): DanceGRPO's recipe planned for 8
+    ranks within 80 GiB per GPU, every item of the plan listed, nothing written (the one FLUX.1-dev GRPO dry run of the
+    suite; the other recipes' plans: test_recipes.py, slow)."""
+    workspace, output = doc_workspace("dry-run", tmp_path_factory)
+    assert "world_size=8" in output and "samples_per_rank=24" in output
+    assert "batch arithmetic: prompts_per_step=16, samples_per_step=192, samples_per_rank=24" in output
+    assert "transformer 11.901B params" in output
+    peak = float(re.search(r"^\s+peak per rank.*?\s+([\d.]+)\s+[\d.]+\s*$", output, re.M).group(1))
+    assert 25 < peak <= 80, output  # 4 B params + 4 B grads + 8 B Adam + 4 B EMA / 8 alone: 27.7 GiB
+    assert "world size 8" in output and "fits in 80 GiB" in output
+    for item in ("parameters (fp32 master, sharded)", "gradients (fp32, sharded)", "AdamW state", "EMA (fp32",
+                 "gathered parameters", "activations, micro-batch of 2", "(the same without gradient checkpointing)",
+                 "rollout forward (no grad)", "rollout buffers: latents B x (S+1) x L x C", "text embeddings",
+                 "VAE (bf16, frozen)", "VAE decode, batch of 4", "bf16, no grad", "reward model hpsv2"):
+        assert item in output, item
+    assert not (workspace / "outputs").exists()  # a dry run writes nothing
 
 
 def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
@@ -219,50 +220,51 @@ def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):
     assert args.reward == "hpsv2:1.0" and args.num_generations == 12, "offline must not pass online-only flags"
 
 
-# slow for the default suite's time: the launcher path runs in the default suite in
-# test_grpo_launcher_builds_the_toy_world_and_trains; the demo YAMLs validate in test_demo_configs_validate
-@pytest.mark.slow
-def test_dpo_launcher_demo_online_and_offline(tmp_path, demo_data_dir):
-    """The DPO demo as a user runs it: online on the toy world (the default), then offline on a pair file made from
-    the tiny model's own samples (PREFERENCE_FILE=demo, JPEG reward)."""
-    for mode in ("", "demo"):
-        env = _demo_env(tmp_path, demo_data_dir, f"out{mode}", PREFERENCE_FILE=mode)
-        proc = subprocess.run(["bash", "scripts/finetune_flux_dpo.sh", "--max_train_steps", "2", "--eval_max_prompts",
-                               "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows = [json.loads(l) for l in (tmp_path / f"out{mode}" / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_jpeg_demo", cost_s=45)
+def test_dpo_launcher_demo_online_and_offline(tmp_path, tmp_path_factory, demo_data_dir):
+    """The DPO demo as a user runs it: online on the toy world (the default; README's block, run once in
+    test_docs.py), then offline on a pair file made from the tiny model's own samples (PREFERENCE_FILE=demo, JPEG
+    reward; run here: no page runs it)."""
+    workspace, _ = doc_workspace("other-demos", tmp_path_factory)
+    env = _demo_env(tmp_path, demo_data_dir, "outdemo", PREFERENCE_FILE="demo")
+    proc = subprocess.run(["bash", "scripts/finetune_flux_dpo.sh", "--max_train_steps", "2", "--eval_max_prompts",
+                           "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out, online in ((workspace / "outputs" / "dpo-toyworld", True), (tmp_path / "outdemo", False)):
+        rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         train_rows = [r for r in rows if r["step"] > 0]
         assert [r["step"] for r in train_rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in train_rows)
-        assert (tmp_path / f"out{mode}" / "final" / "diffusion_pytorch_model.safetensors").is_file()
-        assert ("reward_mean" in train_rows[0]) == (mode == "")
-        assert ("eval/reward_toyworld_strict" in rows[-1]) == (mode == "")
+        assert (out / "final" / "diffusion_pytorch_model.safetensors").is_file()
+        assert ("reward_mean" in train_rows[0]) == online
+        assert ("eval/reward_toyworld_strict" in rows[-1]) == online
     pairs = (demo_data_dir / "tiny-flux-pairs" / "pairs.jsonl").read_text().splitlines()
     assert len(pairs) == 64 and (tmp_path / "outdemo" / "preference_latents" / "cache.json").is_file()
 
 
-# slow for the default suite's time: refusing a resume with other flags:
-# test_train_grpo.py::test_resume_with_other_flags_is_refused_before_loading (default)
-@pytest.mark.slow
-def test_readme_second_demo_command_works_after_the_demo(tmp_path, demo_data_dir):
-    """docs/demos.md: after the demo, `OUTPUT_DIR=... bash scripts/finetune_flux_grpo.sh --max_train_steps N
-    --lora_rank 8` starts a new run; the same flags into the demo's OUTPUT_DIR are refused with a message naming
-    OUTPUT_DIR."""
-    def launch(out: str, *flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--sample_every", "0", "--eval_max_prompts",
-                               "4", *flags], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, out),
+@pytest.mark.slow(cover="test_train_grpo.py::test_resume_with_other_flags_is_refused_before_loading", cost_s=40)
+def test_readme_second_demo_command_works_after_the_demo(tmp_path, tmp_path_factory):
+    """docs/demos.md: after the demo (README's, run once in test_docs.py), the same launcher with `--lora_rank 8` into
+    the demo's OUTPUT_DIR is refused with a message naming OUTPUT_DIR, and into a new OUTPUT_DIR starts a new run."""
+    workspace, _ = doc_workspace("grpo-demo", tmp_path_factory)
+
+    def launch(out: Path, *flags: str) -> subprocess.CompletedProcess:
+        env = _demo_env(tmp_path, workspace / "data", OUTPUT_DIR=str(out))
+        return subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", *flags], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=600)
 
-    assert launch("demo", "--max_train_steps", "1").returncode == 0
-    refused = launch("demo", "--max_train_steps", "1", "--lora_rank", "8")
+    demo = workspace / "outputs" / "grpo-toyworld"
+    before = sorted(p.name for p in demo.rglob("*"))
+    refused = launch(demo, "--max_train_steps", "2", "--eval_max_prompts", "16", "--lora_rank", "8")  # README's + 1
     assert refused.returncode != 0 and "--lora_rank: checkpoint 0 vs now 8" in refused.stderr
     assert "OUTPUT_DIR" in refused.stderr
-    lora = launch("demo-lora8", "--max_train_steps", "1", "--lora_rank", "8")
+    assert sorted(p.name for p in demo.rglob("*")) == before  # the demo's folder untouched
+    lora = launch(tmp_path / "demo-lora8", "--max_train_steps", "1", "--lora_rank", "8", "--sample_every", "0",
+                  "--eval_max_prompts", "4")
     assert lora.returncode == 0, lora.stderr[-2000:]
     assert (tmp_path / "demo-lora8" / "final" / "pytorch_lora_weights.safetensors").is_file()
 
 
-# slow for the default suite's time: a launcher's dry run: test_grpo_launcher_dry_run_plans_the_flux_recipe (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=30)
 def test_dpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
     """`MODEL_PATH=... bash scripts/finetune_flux_dpo.sh --dry_run --device cuda` on FLUX.1-dev configs: the online
     recipe (LoRA 64, 32 prompts x 16 images over 8 ranks, 512 px) fits 80 GiB; a full fine-tune with a refreshed
@@ -309,26 +311,25 @@ def test_nft_flux_recipe_parses_to_its_cited_values(tmp_path):
     assert counts["optimizer_steps_per_rollout"] == 1
 
 
-@pytest.mark.slow  # default-suite time; as test_dpo_launcher_demo_online_and_offline
-def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
-    """The NFT demo as a user runs it (2 steps), and the recipe's memory plan on FLUX.1-dev configs: the LoRA recipe
-    fits 80 GiB with the old adapter; a full fine-tune plans the second fp32 transformer."""
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=30)
+def test_nft_launcher_demo_and_dry_run(tmp_path, tmp_path_factory):
+    """The NFT demo as a user runs it (README's block, 2 steps, run once in test_docs.py), and the recipe's memory
+    plan on FLUX.1-dev configs: the LoRA recipe fits 80 GiB with the old adapter; a full fine-tune plans the second
+    fp32 transformer."""
     from fastvideo.tiny import write_flux_dev_config
 
-    env = _demo_env(tmp_path, demo_data_dir)
-    proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "2", "--eval_max_prompts", "8"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    workspace, _ = doc_workspace("other-demos", tmp_path_factory)
+    out = workspace / "outputs" / "nft-toyworld"
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(r["loss"]) for r in rows[1:])
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     # trained on the strict check, over 2 of the 8 sigmas (scripts/demos/nft_toyworld.yaml)
     assert config["reward"] == "toyworld:0.0,toyworld_strict:1.0" and config["timestep_fraction"] == 0.25
     assert rows[1]["reward_mean"] == rows[1]["reward_toyworld_strict"] and "reward_toyworld" in rows[1]
-    assert (tmp_path / "out" / "final" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (out / "final" / "diffusion_pytorch_model.safetensors").is_file()
 
     folder = write_flux_dev_config(tmp_path / "flux-dev")
-    env = {**env, "MODEL_PATH": str(folder), "OUTPUT_DIR": str(tmp_path / "plan")}
+    env = {**_demo_env(tmp_path, tmp_path / "data"), "MODEL_PATH": str(folder), "OUTPUT_DIR": str(tmp_path / "plan")}
 
     def plan(*flags: str) -> str:
         proc = subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--dry_run", "--device", "cuda", *flags],
@@ -345,7 +346,7 @@ def test_nft_launcher_demo_and_dry_run(tmp_path, demo_data_dir):
     assert not (tmp_path / "plan").exists()
 
 
-@pytest.mark.slow  # default-suite time; the layers and one-line errors: tests/test_flag_layers.py (default)
+@pytest.mark.slow(cover="test_flag_layers.py::test_a_bad_flag_is_one_line_and_exit_status_2", cost_s=25)
 def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp_path, demo_data_dir):
     """Appending a flag that excludes one of the demo's values (the demo's --sde_window_size 2 under
     --timestep_fraction 0.5, and then its --sde_window_range, which needs a size) trains, the demo values dropped with
@@ -368,13 +369,11 @@ def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp
     assert bad.stderr.strip().splitlines() == ["train_grpo_flux.py: error: --clip_range must be > 0, got 0.0"]
 
 
-@pytest.mark.slow  # default-suite time; the rendezvous flags: test_launchers_rendezvous_flags (default)
+@pytest.mark.slow(cover="test_launchers.py::test_launchers_rendezvous_flags", cost_s=30)
 def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path, demo_data_dir):
     """Without MASTER_PORT a single-node launch rendezvouses on a free port (torchrun --standalone): two demo runs
     started together on one machine both train (with the fixed port of before, the second died with EADDRINUSE)."""
-    subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--dry_run"], cwd=REPO,  # builds the data once, first
-                   env=_demo_env(tmp_path, demo_data_dir, "warm"), capture_output=True, timeout=600, check=True)
-    procs = []
+    procs = []  # demo_data_dir holds the toy world already: the two launches build nothing
     for name in ("a", "b"):
         env = _demo_env(tmp_path, demo_data_dir, name)
         env.pop("MASTER_PORT")

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +42,7 @@ def bench_dir(tmp_path_factory) -> Path:
 
 # ------------------------------------------------------------------------------------ gradient reduction
 # slow for the default suite's time: the plan's gradient items: test_plan_arithmetic_for_flux_dev (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_memory.py::test_plan_arithmetic_for_flux_dev", cost_s=15)
 def test_gradient_reduction_per_backward_keeps_only_shards(bench_dir):
     """Full fine-tune, FSDP2, 2 ranks, a 4-micro-batch accumulation cycle. Measured: the gradient tensors FSDP2
     holds between backwards (unsharded accumulation buffers + sharded gradients), not RSS."""
@@ -90,10 +89,10 @@ def large_dir(tmp_path_factory) -> Path:
     return out
 
 
-# slow for the default suite's time: exact sharded loading: test_sharded_loading_is_exact_for_other_layouts (default)
-@pytest.mark.slow
-# the policy-only variant is opt-in (-m slow): the policy+reference variant loads the policy the same way and more
-@pytest.mark.parametrize("kl", [pytest.param(False, marks=pytest.mark.slow), True], ids=["policy", "policy+reference"])
+# evidence: the measured RSS of sharded loading against a single process; the loading path runs by default in every
+# trainer test and in test_export_gathers_at_most_one_unit_beside_rank_0[2]
+@pytest.mark.evidence(cover="test_memory.py::test_export_gathers_at_most_one_unit_beside_rank_0[2]", cost_s=30)
+@pytest.mark.parametrize("kl", [False, True], ids=["policy", "policy+reference"])
 def test_sharded_loading_rss(large_dir, kl):
     """Peak RSS increase while building, sharding and loading the policy (and the frozen reference of a full
     fine-tune with --kl_beta): the sum over 2 ranks <= 1.3 x one process; the old path (every rank loads the whole
@@ -113,10 +112,12 @@ def test_sharded_loading_rss(large_dir, kl):
 
 # both slow for the default suite's time: sharded loading is exact in every default trainer test (e.g. the resume
 # tests compare bit for bit) and in test_checkpoint.py::test_sharded_checkpoints
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_checkpoint.py::test_sharded_checkpoints", cost_s=15)
 @pytest.mark.parametrize("flags, nproc", [(["--fsdp_version", "2", "--strategy", "hybrid_full", "--lora_rank", "4"], 3),
                                           pytest.param(["--fsdp_version", "1", "--strategy", "shard_grad_op"], 2,
-                                                       marks=pytest.mark.slow)],  # FSDP1: slow (suite time)
+                                                       marks=pytest.mark.slow(
+                                                           cover="test_checkpoint.py::test_sharded_checkpoints",
+                                                           cost_s=15))],  # FSDP1: slow (suite time)
                          ids=["fsdp2-hybrid-lora-3-ranks", "fsdp1-shard_grad_op"])
 def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags, nproc):
     """3 ranks: uneven dim-0 shards (e.g. 64 rows -> 22/22/20), which must match FSDP2's own chunking."""
@@ -124,7 +125,9 @@ def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags, nproc):
     assert r[0]["max_abs_diff_vs_file"] == 0.0
 
 
-@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow), 2])  # FSDP1: slow (suite time)
+@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow(
+    cover="test_memory.py::test_export_gathers_at_most_one_unit_beside_rank_0[2]",
+    cost_s=12)), 2])  # FSDP1: slow (suite time)
 def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
     """full_state_dict for the final export: rank 0 ends with the whole model; the other ranks never hold more than
     an FSDP unit or two (FSDP1 used to gather everything on every rank when the parameters were on the CPU)."""
@@ -222,17 +225,13 @@ def bench_data(bench_dir, tmp_path_factory) -> Path:
     return make_embeddings(bench_dir, tmp_path_factory.mktemp("bench-emb"), 8)
 
 
-# LoRA and NFT are opt-in (-m slow) to keep the default suite near 15 minutes: LoRA's plan items (adapter state, the
-# unsharded gradient accumulation of --gradient_sync step) are checked by test_plan_arithmetic_for_flux_dev, its
-# activations by test_activation_extrapolation_equals_the_full_trace; NFT's plan shares the planner's code with GRPO's
-# (its extra copies are checked in the launcher's dry-run test); this measures the whole plan against a run (43 s).
-# All three are slow for the default suite's time: the plan's items are checked by the tests above (default).
-@pytest.mark.slow
-@pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []),
-                                         pytest.param("train_grpo_flux.py", ["--lora_rank", "8"],
-                                                      marks=pytest.mark.slow),
-                                         pytest.param("train_nft.py", ["--kl_beta", "1e-4"], marks=pytest.mark.slow)],
-                         ids=["full", "lora", "nft-full"])
+# evidence (~45 s each): the whole plan measured against a run. The plan's items are checked by default:
+# test_plan_arithmetic_for_flux_dev (model states; LoRA's adapter state and the unsharded gradient accumulation of
+# --gradient_sync step), test_activation_extrapolation_equals_the_full_trace (activations), test_nft_plan_holds_the_old_
+# policy_and_its_buffers (NFT's extra copies).
+@pytest.mark.evidence(cover="test_memory.py::test_activation_extrapolation_equals_the_full_trace", cost_s=45)
+@pytest.mark.parametrize("script,mode", [("train_grpo_flux.py", []), ("train_grpo_flux.py", ["--lora_rank", "8"]),
+                                         ("train_nft.py", ["--kl_beta", "1e-4"])], ids=["full", "lora", "nft-full"])
 def test_planner_within_25_percent_of_measured_peak(bench_dir, bench_data, tmp_path, script, mode):
     """bench preset (10M params, 256 px, 512 text tokens), 2 ranks, 2 steps: the plan's peak per rank vs the
     measured peak RSS increase over the RSS before any model is built (max over ranks, glibc caching off). The NFT
@@ -261,36 +260,19 @@ RECIPE = ["--h", "720", "--w", "720", "--sampling_steps", "16", "--sde_type", "d
           "--mixed_precision", "bf16", "--use_ema", "--decode_x0"]
 
 
-# slow for the default suite's time: by default test_recipes.py plans every FLUX.1-dev recipe with the trainer's own
-# --dry_run on these configs (within 80 GB, under its time limit) and test_plan_arithmetic_for_flux_dev checks the
-# model-state lines' bytes
-@pytest.mark.slow
-def test_dry_run_plans_flux_dev_on_configs_alone(tmp_path):
-    """The docs/memory.md recipe (full fine-tune, 720^2, 8 ranks) from a folder of FLUX.1-dev configs without weights:
-    under 30 s, within 80 GB per GPU, and the process never holds the 48 GB model (meta device)."""
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=20)
+def test_dry_run_plans_the_frozen_reference_of_a_full_fine_tune_in_bf16(tmp_path):
+    """DanceGRPO's recipe (full fine-tune, 720^2, 8 ranks) with --kl_beta, from a folder of FLUX.1-dev configs: the
+    frozen reference is planned in the compute dtype, loaded once and never copied."""
     from fastvideo.tiny import write_flux_dev_config
 
     folder = write_flux_dev_config(tmp_path / "flux-dev")
-    start = time.perf_counter()
-    proc = run_single(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(folder), "--device", "cuda",
-                       "--output_dir", str(tmp_path / "out"), *RECIPE, "--dry_run", "--dry_run_world_size", "8"])
-    elapsed = time.perf_counter() - start
-    assert elapsed < 30, elapsed
-    assert "batch arithmetic: prompts_per_step=16, samples_per_step=192, samples_per_rank=24" in proc.stdout
-    assert "transformer 11.901B params" in proc.stdout
-    plan = _plan_lines(proc.stdout)
-    assert 25 < plan["peak"] <= 80, proc.stdout  # 4 B params + 4 B grads + 8 B Adam + 4 B EMA / 8 alone: 27.7 GiB
-    assert "fits in 80 GiB" in proc.stdout
-    for item in ("parameters (fp32 master, sharded)", "gradients (fp32, sharded)", "AdamW state", "EMA (fp32",
-                 "gathered parameters", "activations, micro-batch of 2", "(the same without gradient checkpointing)",
-                 "rollout forward (no grad)", "rollout buffers: latents B x (S+1) x L x C", "text embeddings",
-                 "VAE (bf16, frozen)", "VAE decode, batch of 4", "bf16, no grad", "reward model hpsv2"):
-        assert item in proc.stdout, item
     with_kl = run_single(["train_grpo_flux.py", "--pretrained_model_name_or_path", str(folder), "--device", "cuda",
                           "--output_dir", str(tmp_path / "out"), *RECIPE, "--kl_beta", "0.04", "--dry_run",
                           "--dry_run_world_size", "8"])
     ref_line = next(line for line in with_kl.stdout.splitlines() if "reference policy (frozen" in line)
     assert " 2.77 " in ref_line, ref_line  # bf16: 2 B x 11.9B params / 8 ranks = 2.77 GiB, loaded, never a copy
+    assert "fits in 80 GiB" in with_kl.stdout and not (tmp_path / "out").exists()
 
 
 def test_plan_arithmetic_for_flux_dev(tmp_path):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, free_port, run_torchrun
+from helpers import REPO, free_port, run_torchrun, toy_data_dir
 
 
 def _rows(out) -> list[dict]:
@@ -30,7 +30,7 @@ def _grpo(toy_world, out, *flags: str, nproc: int = 2, eval_prompts=None):
 
 # slow for the default suite's time: evaluation during training runs in test_sample_run.py's runs (--eval_prompts) in
 # the default suite
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sample_run.py::test_eval_reward_is_logged_beside_the_training_reward", cost_s=20)
 def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_path):
     """The lr-0 control: with nothing trained, the held-out evaluation after a step equals the one before step 1
     exactly (21 prompts x 3 images = 63, so rank 1 runs one pad; noise fixed by seed, prompt and image index), so a
@@ -72,15 +72,15 @@ def test_eval_is_fixed_at_lr0_and_the_time_budget_stops_the_run(toy_world, tmp_p
 DEMO_STRICT_GAIN = 0.021
 
 
-# slow (~6 min): the demo's launcher path runs in the default suite in
-# test_launchers.py::test_grpo_launcher_builds_the_toy_world_and_trains, its evaluation in the test above
-@pytest.mark.slow
-def test_grpo_demo_raises_heldout_strict_accuracy(tmp_path):
-    """The GRPO toy-world demo exactly as a user runs it (seed 0), then `sample.py --run_dir OUT --base` and
+# evidence (~5.5 min): the demo as a user runs it (on the session's toy world: its data build runs in README's demo
+# block, test_docs.py), then its paired comparison
+@pytest.mark.evidence(cover="test_algorithms_study.py::test_smoke_runs_grpo_and_awm", cost_s=220)
+def test_grpo_demo_raises_heldout_strict_accuracy(toy_world, tmp_path):
+    """The GRPO toy-world demo as a user runs it (seed 0), then `sample.py --run_dir OUT --base` and
     `--compare`: over all held-out prompts x 2 images, the fine-tuned model's strict accuracy beats the base model's
     (= the lr-0 control: same prompts, same noise) by DEMO_STRICT_GAIN with the paired 95% interval above 0, and the
     images are not dirtier (cleanliness, a reward the training does not see, falls by less than 0.01)."""
-    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(tmp_path / "data"),
+    env = {**os.environ, "PYTHON": sys.executable, "DATA_DIR": str(toy_data_dir(toy_world, tmp_path)),
            "OUTPUT_DIR": str(tmp_path / "out"), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
     env.pop("MODEL_PATH", None)
     proc = subprocess.run(["bash", "scripts/finetune_flux_grpo.sh", "--no-progress_bar"], cwd=REPO, env=env,
