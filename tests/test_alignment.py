@@ -29,6 +29,8 @@ TRAINERS = {
             "--learning_rate", "3e-2", "--seed", "5", "--solver", "dpm2", "--old_decay_schedule", "linear"),
 }
 
+NFT_REPLAY = "test_alignment.py::test_identical_runs_are_bit_identical_and_replay_exactly[nft]"  # the slow tests' cover
+
 
 def trainer_args(algo: str, model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     script, *flags = TRAINERS[algo]
@@ -75,9 +77,9 @@ def grpo_alignment(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dic
     return runs
 
 
-# slow for the default suite's time: the recording and its replay run in the default suite in
-# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
-@pytest.mark.slow
+# slow for the default suite's time: a recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[nft]
+@pytest.mark.slow(cover=NFT_REPLAY, cost_s=45)
 def test_recording_holds_every_stage(grpo_alignment):
     from safetensors.torch import load_file
 
@@ -100,9 +102,9 @@ def test_recording_holds_every_stage(grpo_alignment):
     assert {"loss", "timestep_slot"} <= set(updates[0]) and any("grad_norm" in r for r in updates)
 
 
-# slow for the default suite's time: the recording and its replay run in the default suite in
-# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
-@pytest.mark.slow
+# slow for the default suite's time: a recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[nft]
+@pytest.mark.slow(cover=NFT_REPLAY, cost_s=3)
 def test_two_rank_recording_replays_on_one_rank(grpo_alignment):
     rec, replay = grpo_alignment["two"] / "rec", grpo_alignment["replay"] / "rec"
     a = compare.Recording.load(rec)
@@ -130,9 +132,9 @@ def test_two_rank_recording_replays_on_one_rank(grpo_alignment):
     assert "agree: 2 steps within tolerance" in out.stdout
 
 
-# slow for the default suite's time: the recording and its replay run in the default suite in
-# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
-@pytest.mark.slow
+# slow for the default suite's time: a recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[nft]
+@pytest.mark.slow(cover=NFT_REPLAY, cost_s=1)
 def test_grpo_runs_are_bit_identical(grpo_alignment):
     """A 1-rank run that draws its noise and a 1-rank run that reads it from the 2-rank recording, same flags: the same
     metrics (timings aside), sample grids, recorded images and draws, bit for bit (every draw is a function of its
@@ -145,9 +147,9 @@ def test_grpo_runs_are_bit_identical(grpo_alignment):
         assert found and found == files_of(replay, pattern), pattern
 
 
-# slow for the default suite's time: the recording and its replay run in the default suite in
-# test_identical_runs_are_bit_identical_and_replay_exactly[dpo]
-@pytest.mark.slow
+# slow for the default suite's time: a recording and its replay run in the default suite in
+# test_identical_runs_are_bit_identical_and_replay_exactly[nft]
+@pytest.mark.slow(cover=NFT_REPLAY, cost_s=3)
 def test_a_perturbed_transformer_diverges_at_the_rollout(grpo_alignment, tmp_path):
     out = run_compare(str(grpo_alignment["two"] / "rec"), str(grpo_alignment["perturbed"] / "rec"),
                       "--plot", str(tmp_path / "c.png"), "--json", str(tmp_path / "c.json"), "--per_image")
@@ -164,7 +166,7 @@ def test_a_perturbed_transformer_diverges_at_the_rollout(grpo_alignment, tmp_pat
 # NFT's variant is the default one: it also replays with --replay_images (scoring a recording's images), which no
 # other default test reaches. DPO's is opt-in (-m slow; suite time): the determinism it checks lives in the shared
 # scaffold (noise source, Run, recorder) that NFT's variant runs, and DPO's replay is tested in test_train_dpo.py.
-@pytest.mark.parametrize("algo", [pytest.param("dpo", marks=pytest.mark.slow), "nft"])
+@pytest.mark.parametrize("algo", [pytest.param("dpo", marks=pytest.mark.slow(cover=NFT_REPLAY, cost_s=25)), "nft"])
 def test_identical_runs_are_bit_identical_and_replay_exactly(algo, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
     """Two runs with the same seed and flags: the same metrics (timings aside), images and draws, bit for bit. NFT: a
     replay of the first that scores its recorded images (--replay_images) agrees with it (compare exits 0); DPO's

@@ -188,7 +188,7 @@ def test_awm_run_trains_the_lora(tiny_flux_dir, tiny_data, hps_flags, tmp_path):
 
 # slow for the default suite's time (~8 s, as NFT's full fine-tune); AWM's update runs by default in
 # test_awm_run_trains_the_lora
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_awm.py::test_awm_run_trains_the_lora", cost_s=10)
 def test_awm_full_finetune_off_policy(tiny_flux_dir, tiny_data, tmp_path):
     """Full fine-tune, rollouts sampled by the old policy (a second sharded transformer) and the ratio taken against
     it: the run is finite and the exported transformer differs from the base."""
@@ -212,7 +212,7 @@ def test_awm_full_finetune_off_policy(tiny_flux_dir, tiny_data, tmp_path):
 
 # slow for the default suite's time; the resume machinery AWM shares (old adapter, sampler, schedule, RNG) is resumed
 # by default in test_train_nft.py, and AWM's own state is that old adapter
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_nft.py::test_resume_restores_the_old_adapter_exactly", cost_s=30)
 def test_awm_resumes_exactly(tiny_flux_dir, tiny_data, tmp_path):
     """4 AWM steps on 2 ranks (old-policy KL anchor, two optimizer steps per rollout) and the same run resumed from its
     step-2 checkpoint log the same metrics (old_kl and approx_kl included: the old adapter and the precomputed
@@ -282,7 +282,7 @@ def test_padded_rows_leave_nft_metrics():
 
 
 # slow (~30 s): what makes the AWM learning test's control cheap (benchmarks/objectives.py's CONTROL["nft"])
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_awm.py::test_awm_run_trains_the_lora", cost_s=20)
 def test_an_lr0_awm_run_training_one_sigma_samples_as_one_training_all_strata(tiny_flux_dir, tiny_data, tmp_path):
     """At lr 0 the trained sigmas do not reach the rollouts: AWM with one sigma per sample (the cheap control) samples
     the images of AWM with its strata, reward for reward, and trains fewer sigmas."""
@@ -301,7 +301,7 @@ def test_an_lr0_awm_run_training_one_sigma_samples_as_one_training_all_strata(ti
 
 # slow (suite time, ~20 s each): the default suite keeps the weighted losses (above), training_order's world-size
 # invariance (test_grpo_objectives) and AWM with --shuffle_micro_batches in the pretend-CUDA trace (test_fake_cuda)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_grpo_objectives.py::test_training_order_is_world_size_invariant", cost_s=20)
 @pytest.mark.parametrize("objective", ["nft", "awm"])
 def test_shuffled_micro_batches_train_every_optimizer_step(tiny_flux_dir, tiny_data, tmp_path, objective):
     """train_nft.py --shuffle_micro_batches on 2 ranks with two optimizer steps per rollout: both steps train (finite

@@ -70,9 +70,14 @@ def _killed_save(out: str, point: str, step: int) -> None:
 
 
 # three crash points in the default suite (a shard, the metadata, the rename), the other three slow (suite time)
-@pytest.mark.parametrize("point", ["model shards", pytest.param("ema shards", marks=pytest.mark.slow),
-                                   pytest.param("trainer state", marks=pytest.mark.slow), "meta.json", "rename",
-                                   pytest.param("swap", marks=pytest.mark.slow)])
+SLOW_POINT = pytest.mark.slow(
+    cover="test_checkpoint_safety.py::test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint[model shards]",
+    cost_s=4)
+
+
+@pytest.mark.parametrize("point", ["model shards", pytest.param("ema shards", marks=SLOW_POINT),
+                                   pytest.param("trainer state", marks=SLOW_POINT), "meta.json", "rename",
+                                   pytest.param("swap", marks=SLOW_POINT)])
 def test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint(tmp_path, point):
     model, opt, sched, ema, good, trained = _saved_run(tmp_path)
     step = 1 if point == "swap" else 2  # swap: re-saving the step that exists (its old copy is moved aside first)

@@ -128,7 +128,7 @@ def test_local_rank_beyond_the_visible_devices_names_the_fix(monkeypatch):
 
 # slow for the default suite's time (each waits out a collective timeout): the store wait itself runs at every export
 # and checkpoint of the default trainer tests (e.g. test_train_grpo.py::test_short_run_writes_every_metric)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=15)
 @pytest.mark.parametrize("mode", ["store", "collective", "disk_full"])
 def test_rank0_file_work_outlasting_the_collective_timeout(tiny_flux_dir, tmp_path, mode):
     """2 ranks with a 4 s collective timeout; rank 0's final export (bf16), a checkpoint deletion and a re-saved

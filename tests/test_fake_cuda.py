@@ -43,7 +43,8 @@ def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) ->
 
 # slow for the default suite's time (~15 s each): the default suite traces FLUX.1 (every objective, variant and SP),
 # whose rollout, replay, update and checkpoint code every family shares; each family's own velocity call is traced here
-FAMILY_PRESETS = tuple(pytest.param(name, marks=pytest.mark.slow)
+FAMILY_PRESETS = tuple(pytest.param(name, marks=pytest.mark.slow(cover="test_fake_cuda.py::test_pretend_cuda_trace",
+                                                                 cost_s=2))
                        for name in ("sd3-tiny", "qwen-image-tiny", "flux2-tiny"))
 
 

@@ -29,6 +29,9 @@ H = W = 64
 STEPS = 3
 PROMPTS = 6
 
+# the default family run: the slow family tests' cover
+FLUX2_GRPO = "test_families.py::test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads[flux2]"
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -144,8 +147,9 @@ POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
 # SD3's and Qwen-Image's runs are slow (suite time, ~11 s each): FLUX.2's run keeps the CFG replay and a newer policy
 # loss in the default suite, each family's guided Euler loop is checked against its stock pipeline there
 # (tests/test_family_<name>.py), and the pretend-CUDA trace runs GRPO-Guard and Flow-DPPO's updates
-@pytest.mark.parametrize("fam", [pytest.param("sd3", marks=pytest.mark.slow),
-                                 pytest.param("qwen-image", marks=pytest.mark.slow), "flux2"], indirect=True)
+@pytest.mark.parametrize("fam", [pytest.param("sd3", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
+                                 pytest.param("qwen-image", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
+                                 "flux2"], indirect=True)
 def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
     """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
     replay), with the family's ``POLICY_LOSS``: the first update's ratios are 1 (the replayed guided log-prob equals
@@ -179,7 +183,8 @@ def _png(path: Path) -> np.ndarray:
 
 # slow for the default suite's time: the default suite checks each adapter's sampling loop against its stock pipeline
 # (tests/test_family_<name>.py) and sample.py's family-free path on FLUX.1 (test_sample.py)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sample.py::test_base_model_output_is_complete_deterministic_and_equals_flux_pipeline",
+                  cost_s=8)
 def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     """sample.py on the base model with the family's defaults (CFG scale, negative prompt) but size and steps: its
     PNGs equal the stock pipeline's images from the same keyed initial noise to 8-bit rounding."""
@@ -215,9 +220,9 @@ def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     assert len(_rows(out / "index.jsonl")) == 2, worst
 
 
-# slow for the default suite's time: the default suite plans FLUX.1-dev (test_memory.py); the family recipes are planned
-# in the slow tier too (test_recipes.py)
-@pytest.mark.slow
+# slow for the default suite's time: the default suite plans FLUX.1-dev through the launcher (test_launchers.py); the
+# family recipes are planned in the slow tier too (test_recipes.py)
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=8)
 def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
     """``train_grpo_flux.py --dry_run`` on the family's real-config preset (no weights): a plan for 8 GPUs, printed
     in under 30 s (the preset is written first, outside the timing)."""
@@ -239,7 +244,7 @@ def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
     assert "x 2 (CFG)" in proc.stdout  # the guided rollout's doubled batch is planned
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=30)
 def test_dpo_and_nft_train_with_lora(fam, tmp_path):
     """Online DPO (CFG rollout, unguided loss), DiffusionNFT and AWM (CFG-free, --cfg_scale 1), 2 steps each with LoRA
     on 2 ranks: finite losses, a moving policy, exports the stock pipeline loads and that change its images."""
@@ -265,7 +270,7 @@ def test_dpo_and_nft_train_with_lora(fam, tmp_path):
         assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4, name
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)
 def test_full_fine_tune_exports_a_transformer_the_stock_class_loads(fam, tmp_path):
     """GRPO full fine-tune (no LoRA), 2 steps: OUT/final is a transformer folder the family's diffusers class loads,
     with weights that differ from the base model's."""
@@ -279,7 +284,7 @@ def test_full_fine_tune_exports_a_transformer_the_stock_class_loads(fam, tmp_pat
     assert moved > 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=25)
 def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
     """GRPO LoRA with CFG, 2 steps on 2 ranks with a checkpoint after each and a recording: continued from step 1 it
     logs the same metrics (LR schedule included); replayed on 1 rank from the recording, ``fastvideo.compare``

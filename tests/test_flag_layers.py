@@ -55,6 +55,8 @@ CASES = [
 ]
 BASE = {"sampling_steps": 8, "lora_rank": 4}  # a window range of 8 steps; LoRA, which --gradient_sync step needs
 
+SLOW_FLAG = pytest.mark.slow(cover="test_flag_layers.py::test_a_bad_flag_is_one_line_and_exit_status_2", cost_s=3)
+
 
 def _ids(case) -> str:
     return f"{case[0]}-{next(iter(case[1]))}-{next(iter(case[2]))}"
@@ -189,8 +191,8 @@ def _run(script: str, *flags: str, cwd: Path = REPO, **env: str) -> subprocess.C
     (["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
     # slow (suite time, 3 s each): the same one-line path as the two above; test_flag_layers' in-process cases check
     # these messages in the default suite
-    pytest.param(["--sde_window_size", "2", "--timestep_fraction", "0.5"], "drop one of them", marks=pytest.mark.slow),
-    pytest.param(["--config", "no/such.yaml"], "--config no/such.yaml: no such file", marks=pytest.mark.slow),
+    pytest.param(["--sde_window_size", "2", "--timestep_fraction", "0.5"], "drop one of them", marks=SLOW_FLAG),
+    pytest.param(["--config", "no/such.yaml"], "--config no/such.yaml: no such file", marks=SLOW_FLAG),
 ])
 def test_a_bad_flag_is_one_line_and_exit_status_2(flags, message, tmp_path, tiny_flux_dir, tiny_data):
     """A flag error is one line `PROG: error: ...` naming the fix, exit status 2, no traceback: for argparse's own

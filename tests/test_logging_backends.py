@@ -30,7 +30,7 @@ def _rows(out: Path) -> list[dict]:
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # default-suite time; the jsonl sink and plots run in every trainer test of the default suite
+@pytest.mark.slow(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=25)
 def test_tensorboard_wandb_resume_plots_and_config_round_trip(tiny_flux_dir, tiny_data, tmp_path):
     import wandb  # noqa: F401  (both backends are in the test extra: a missing one fails here, it does not skip)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

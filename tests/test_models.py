@@ -120,7 +120,7 @@ def test_missing_method_names_the_adapter_and_the_docs():
 
 # slow for the default suite's time (~25 s): every default trainer test reaches the model through the family interface
 # (Flux1), and package.module:Class resolution runs in test_bad_model_family_is_one_clear_error
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_models.py::test_bad_model_family_stops_the_trainer_before_loading", cost_s=25)
 def test_user_adapter_trains_grpo_bit_identically(tiny_flux_dir, tiny_data, tmp_path):
     """``--model_family mypkg.families:MarkedFlux`` (a module outside this package, on PYTHONPATH): both ranks build
     through it and every velocity goes through it, and the run's metrics equal the built-in adapter's exactly."""

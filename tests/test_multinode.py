@@ -112,8 +112,8 @@ def run_two_nodes(args: list[str], log_dir: Path, timeout: float = 300) -> list[
 
 # slow for the default suite's time: the launchers' multi-node torchrun flags: test_slurm.py (default); 2-rank
 # training in every trainer test
-@pytest.mark.slow
-@pytest.mark.parametrize("version", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["fsdp2", "fsdp1"])
+@pytest.mark.slow(cover="test_slurm.py::test_every_node_runs_torchrun_with_its_rank", cost_s=30)
+@pytest.mark.parametrize("version", [2, 1], ids=["fsdp2", "fsdp1"])
 def test_two_nodes_match_one_node(version, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
     """Both launches exit 0, build the layout hybrid_full promises, and train the same numbers."""
     two, one = tmp_path / "two-nodes", tmp_path / "one-node"

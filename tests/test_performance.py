@@ -124,9 +124,8 @@ def test_compile_flag_compiles_every_block(tiny_flux_dir):
         parallel.shard_model(flux.load_transformer(tiny_flux_dir))))
 
 
-# slow for the default suite's time: benchmarks/bench_step.py, not the trainers; the step it times runs in every
-# trainer test
-@pytest.mark.slow
+# evidence: benchmarks/bench_step.py's numbers, not the trainers; the step it times runs in every trainer test
+@pytest.mark.evidence(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=25)
 def test_bench_step_smoke(tmp_path):
     """benchmarks/bench_step.py --smoke: both loops, fp32 and bf16 autocast, 2 ranks; every reported number is finite,
     the phase fractions add up, and the reference loop's first-update gradients equal ours on the same samples."""
@@ -160,8 +159,10 @@ def test_bench_step_smoke(tmp_path):
             assert res["ours"]["reward_mean_first_step"] == res["reference"]["reward_mean_first_step"]
 
 
-# slow for the default suite's time (~30 s): the overlap it times is checked bit for bit in test_reward_overlap.py
-@pytest.mark.slow
+# evidence (~30 s): the overlap's measured saving; the overlap itself is checked bit for bit in test_reward_overlap.py
+@pytest.mark.evidence(
+    cover="test_reward_overlap.py::test_overlapped_and_sequential_scoring_give_identical_metrics",
+    cost_s=20)
 def test_bench_step_reward_delay_reports_the_overlap_saving(tmp_path):
     """benchmarks/bench_step.py --reward_delay_ms 100, its smallest run (tiny preset, 1 rank, fp32, 4 images in
     rollout micro-batches of 1, 8 sampling steps: ~40 ms to sample and decode one, under the 100 ms the reward server
@@ -183,12 +184,15 @@ def test_bench_step_reward_delay_reports_the_overlap_saving(tmp_path):
         assert sum(loop["phase_fractions"].values()) == pytest.approx(1, abs=1e-6)
         assert loop["reward_busy_seconds"] >= 4 * 0.1  # the server's sleep: 4 images a step, one per request
     assert ours["reward_seconds"] == ours["reward_busy_seconds"]  # sequential: the step waits for all of it
-    assert overlap["reward_seconds"] < overlap["reward_busy_seconds"] - 0.05  # some of it hid behind the sampling
     assert overlap["reward_mean_first_step"] == ours["reward_mean_first_step"]  # the same images, the same scores
     saving = 1 - overlap["step_seconds"] / ours["step_seconds"]
     assert res["overlap_step_saving"] == summary["overlap_step_saving"] == pytest.approx(saving, rel=1e-12)
-    # the 3 later micro-batches sample while the earlier ones are scored: most of their sampling time is saved
+    # the 3 later micro-batches sample while the earlier ones are scored: a part of the scoring hides behind their
+    # sampling (the only work it can hide behind: at least a quarter of it, on a fast CPU ~50 ms), and most of their
+    # sampling time is saved
     sampling = ours["phase_seconds"]["rollout"] + ours["phase_seconds"]["decode"]
+    hidden = overlap["reward_busy_seconds"] - overlap["reward_seconds"]
+    assert hidden > 0.25 * sampling > 0, (hidden, sampling)
     assert ours["step_seconds"] - overlap["step_seconds"] > 0.25 * sampling > 0, (ours, overlap)
     assert (f"overlap vs sequential scoring (100 ms per image at the reward server): step {ours['step_seconds']:.3f} "
             f"-> {overlap['step_seconds']:.3f} s, overlap_step_saving = {saving:.1%}") in proc.stdout
@@ -200,7 +204,7 @@ def _bench_step_module():
 
 # slow for the default suite's time: the FLUX.1-dev widths are traced in test_fake_cuda.py and planned in
 # test_memory.py (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_fake_cuda.py::test_pretend_cuda_trace", cost_s=20)
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_flux_dev_shape_model_has_real_widths_and_random_weights(tmp_path):
     """--model flux-dev-shape --num_layers 1: FLUX.1-dev's widths with 1 double + 2 single blocks; the weights made in
@@ -248,8 +252,8 @@ def test_flux_dev_shape_model_has_real_widths_and_random_weights(tmp_path):
     assert images.shape == (2, 3, 32, 32) and torch.isfinite(images).all()
 
 
-# slow (~1 min, ~4.5 GB per rank): the FLUX.1-dev widths are traced in test_fake_cuda.py (default)
-@pytest.mark.slow
+# evidence (~1 min, ~4.5 GB per rank): the FLUX.1-dev widths are traced in test_fake_cuda.py (default)
+@pytest.mark.evidence(cover="test_fake_cuda.py::test_pretend_cuda_trace", cost_s=50)
 def test_bench_step_flux_dev_shape_runs(tmp_path):
     """The accelerator mode end to end on this CPU (1 double + 2 single blocks at FLUX.1-dev's widths, LoRA, 64²):
     ~1 min, ~4.5 GB per rank."""

@@ -277,10 +277,10 @@ def test_recipe_names_its_model_preset(recipe):
                                  f"(family {owners})"
 
 
-# slow for the default suite's time: the planner on FLUX.1-dev configs runs in the default suite in
-# test_memory.py::test_dry_run_plans_flux_dev_on_configs_alone; each recipe's flags parse and validate in
+# slow for the default suite's time: the planner on FLUX.1-dev configs runs in the default suite through the launcher
+# (test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe); each recipe's flags parse and validate in
 # test_recipe_parses_and_validates
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_recipes.py::test_recipe_parses_and_validates", cost_s=8)
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_plan_fits_8x80gb(recipe, dry_runs):
     """The trainer's --dry_run for 8 ranks on its model preset's configs plans the recipe within 80 GiB per GPU (on

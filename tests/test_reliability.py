@@ -46,8 +46,11 @@ def test_a_nan_reward_stops_every_rank_naming_the_reward_and_prompt(tiny_flux_di
 
 
 # DPO's and NFT's are slow (suite time): the drop is the shared Run.score_rollout path GRPO's case runs by default
-@pytest.mark.parametrize("trainer", ["grpo", pytest.param("dpo", marks=pytest.mark.slow),
-                                     pytest.param("nft", marks=pytest.mark.slow)])
+SLOW_DROP = pytest.mark.slow(cover="test_reliability.py::test_nonfinite_reward_drop_trains_on_without_the_sample[grpo]",
+                             cost_s=8)
+
+
+@pytest.mark.parametrize("trainer", ["grpo", pytest.param("dpo", marks=SLOW_DROP), pytest.param("nft", marks=SLOW_DROP)])
 def test_nonfinite_reward_drop_trains_on_without_the_sample(tiny_flux_dir, tiny_data, tmp_path, trainer):
     """--nonfinite_reward drop: the NaN sample of every step is dropped and counted; every other metric stays
     finite and no update is skipped (GRPO: advantage 0; DPO: never in a pair; NFT: masked out of the loss)."""

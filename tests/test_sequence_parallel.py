@@ -57,7 +57,7 @@ def test_sp2_equals_sp1_on_two_ranks(tiny_flux_dir, tiny_data):
 
 # slow for the default suite's time (4 ranks on the CPU): Run.backward's SP scaling, FSDP's reduction and the same
 # checks run in the default suite in test_sp2_equals_sp1_on_two_ranks (dp 1 x sp 2)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_equals_sp1_on_two_ranks", cost_s=30)
 def test_dp2_sp2_gradient_is_the_mean_over_replicas(tiny_flux_dir, tiny_data):
     """dp 2 x sp 2 on 4 ranks: each replica's 2 samples (its prompts and noise seed), every backward through
     ``training.Run.backward``; the gradient FSDP reduces over the 4 ranks is the mean over the 2 replicas of their
@@ -98,7 +98,7 @@ def test_sp2_trains_in_bf16_with_cuda_float32_rms_norm(tiny_flux_dir, tiny_data,
 
 # slow for the default suite's time: SP training runs in the default suite in test_sp2_equals_sp1_on_two_ranks and
 # test_sp2_trains_in_bf16_with_cuda_float32_rms_norm
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_trains_in_bf16_with_cuda_float32_rms_norm", cost_s=30)
 def test_attention_backend_falls_back_once_and_stays_on_policy(sp_runs):
     out, proc = sp_runs["sp2"]
     text = proc.stdout + proc.stderr
@@ -118,7 +118,7 @@ def test_attention_backend_falls_back_once_and_stays_on_policy(sp_runs):
 
 # slow for the default suite's time: SP training runs in the default suite in test_sp2_equals_sp1_on_two_ranks and
 # test_sp2_trains_in_bf16_with_cuda_float32_rms_norm
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_trains_in_bf16_with_cuda_float32_rms_norm", cost_s=5)
 def test_checkpoint_of_sp2_resumes_with_sp1(sp_runs):
     """A checkpoint does not depend on --sp_size: sp 1 resumes sp 2's step-1 checkpoint and its step 2 samples,
     rewards and updates what sp 2's own step 2 did, up to float rounding.
@@ -174,7 +174,7 @@ def test_sp_validation_before_loading(tiny_flux_dir, tiny_data, tmp_path):
 
 # slow for the default suite's time: the refusal's message is checked in the default suite by
 # test_sp2_equals_sp1_on_two_ranks (predict_velocity refuses a 7-token text under SP)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp_validation_before_loading", cost_s=8)
 def test_sp_size_that_does_not_divide_the_text_is_refused_before_loading(tiny_flux_dir, tmp_path):
     """--sp_size 2 on embeddings of 7 text tokens: every rank stops at the input checks, before any model loads, with
     the fix (Ulysses would have to pad the text with zero tokens that attention reads)."""
@@ -247,9 +247,9 @@ def test_set_attention_backend_on_cpu_falls_back_to_native(tiny_flux_dir):
     assert flux.set_attention_backend(model, "native", "cpu") == "native"
 
 
-# slow for the default suite's time: the planner: test_memory.py::test_dry_run_plans_flux_dev_on_configs_alone
-# (default)
-@pytest.mark.slow
+# slow for the default suite's time: the planner on FLUX.1-dev configs runs by default through the launcher
+# (test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe)
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=20)
 def test_dry_run_plans_sequence_parallel_activations(tmp_path):
     """The planner at FLUX.1-dev's widths: --sp_size 4 at 1024² holds about a third of the activations."""
     import subprocess

@@ -85,13 +85,16 @@ def test_sbatch_parses():
     subprocess.run(["bash", "-n", SBATCH], cwd=REPO, check=True)
 
 
+SLOW_LAUNCHER = pytest.mark.slow(cover="test_slurm.py::test_every_node_runs_torchrun_with_its_rank", cost_s=4)
+
+
 # DPO's and NFT's launchers are slow (suite time, 3 s each): the sbatch script runs any launcher alike, and
 # test_launchers checks each launcher's torchrun line in the default suite
 @pytest.mark.parametrize("launcher, trainer", [("scripts/finetune_flux_grpo.sh", "train_grpo_flux.py"),
                                                pytest.param("scripts/finetune_flux_dpo.sh", "train_dpo.py",
-                                                            marks=pytest.mark.slow),
+                                                            marks=SLOW_LAUNCHER),
                                                pytest.param("scripts/finetune_flux_nft.sh", "train_nft.py",
-                                                            marks=pytest.mark.slow)])
+                                                            marks=SLOW_LAUNCHER)])
 def test_every_node_runs_torchrun_with_its_rank(tmp_path, launcher, trainer):
     proc, calls = run_sbatch(tmp_path, "finished", "--max_train_steps", "7", LAUNCHER=launcher)
     assert proc.returncode == 0, proc.stdout + proc.stderr

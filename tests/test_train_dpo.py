@@ -208,7 +208,9 @@ def test_online_resume_continues_exactly(online_runs, tiny_flux_dir, tiny_data, 
 
 # slow for the default suite's time: the stop and resume path is training.Run's, which GRPO's default
 # test_train_grpo.py::test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks] runs
-@pytest.mark.slow
+@pytest.mark.slow(
+    cover="test_train_grpo.py::test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]",
+    cost_s=25)
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(online_runs, tiny_flux_dir, tiny_data, hps_flags,
                                                                        tmp_path):
     """README's promise for DPO: SIGTERM mid-run checkpoints and exits 0; a resume then ends like ``online_runs``."""
@@ -241,7 +243,7 @@ def offline_args(model: Path, data: Path, pairs: Path, *extra: str) -> list[str]
 
 # slow for the default suite's time: offline DPO's flags validate in test_flag_layers.py and
 # test_demo_configs_validate; its update shares update_policy with online DPO (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_dpo.py::test_online_run_writes_every_metric", cost_s=30)
 def test_offline_full_finetune_from_a_generated_pair_file(tiny_flux_dir, tiny_data, pair_file, tmp_path):
     """python -m fastvideo.preference makes pairs from the model's own samples; a 2-rank full fine-tune trains on
     them against the frozen base (cached latents), exports a transformer folder that differs from the base."""
@@ -276,7 +278,7 @@ def test_offline_full_finetune_from_a_generated_pair_file(tiny_flux_dir, tiny_da
 
 # slow for the default suite's time: DPO's exact resume (the shared training.Run path) runs in the default suite in
 # test_online_resume_continues_exactly, under the same kind of schedule
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_dpo.py::test_online_resume_continues_exactly", cost_s=15)
 def test_offline_resume_continues_exactly(tiny_flux_dir, tiny_data, pair_file, tmp_path):
     """Offline full fine-tune under a warm-up + cosine schedule, 4 steps (two passes over the 4 pairs) straight =
     2 steps + resume + 2 steps: the pair order, the cached latents and the schedule continue exactly."""
@@ -291,7 +293,7 @@ def test_offline_resume_continues_exactly(tiny_flux_dir, tiny_data, pair_file, t
 
 
 # slow for the default suite's time: DPO's step: test_online_run_writes_every_metric (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_dpo.py::test_online_run_writes_every_metric", cost_s=10)
 def test_a_step_without_pairs_trains_nothing(tiny_flux_dir, tiny_data, tmp_path):
     """--min_reward_gap above every gap: each pair is skipped and counted, no optimizer step is taken, the pair
     metrics are NaN (not a misleading 0), and the run still checkpoints and exports."""
@@ -328,9 +330,9 @@ def test_bad_pair_file_fails_on_every_rank_before_loading(tiny_flux_dir, tiny_da
     assert not (out / "config.json").exists() and not (out / "checkpoints").exists()
 
 
-# slow for the default suite's time: online DPO's path runs in the default suite in
+# evidence (a learning margin over 3 seeds): online DPO's path runs in the default suite in
 # test_online_run_writes_every_metric
-@pytest.mark.slow
+@pytest.mark.evidence(cover="test_train_dpo.py::test_online_run_writes_every_metric", cost_s=45)
 def test_online_dpo_raises_the_reward_over_an_lr0_control(tiny_flux_dir, tiny_data, tmp_path):
     """2 ranks, the demo's setting (best vs worst of 8 JPEG-scored samples, beta 200) at a higher lr for a short run:
     the trained policy's samples compress better than an lr-0 control's (same prompts and noise) over the last 20 of

@@ -104,7 +104,9 @@ def test_short_run_writes_every_metric(lora_run):
 
 # slow for the default suite's time: a killed save: test_checkpoint_safety (default); exact resume:
 # test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]
-@pytest.mark.slow
+@pytest.mark.slow(
+    cover="test_checkpoint_safety.py::test_sigkill_during_a_save_keeps_the_newest_complete_checkpoint[model shards]",
+    cost_s=25)
 def test_sigkill_during_a_save_then_resume_continues_exactly(lora_run, tiny_flux_dir, tiny_data, tmp_path):
     """Rank 0 is SIGKILLed as it completes the step-4 checkpoint (all shards written, meta.json not yet): the job
     dies, step-2 stays the newest complete checkpoint, and --resume_from latest (which first removes the partial
@@ -123,7 +125,9 @@ def test_sigkill_during_a_save_then_resume_continues_exactly(lora_run, tiny_flux
 
 
 # the torchrun variant is slow: the signal forwarding is torchrun's; the ranks' side runs in the default "ranks" case
-@pytest.mark.parametrize("target", ["ranks", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("target", ["ranks", pytest.param("torchrun", marks=pytest.mark.slow(
+    cover="test_train_grpo.py::test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]",
+    cost_s=20))])
 def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(lora_run, tiny_flux_dir, tiny_data, tmp_path,
                                                                        target):
     """SIGTERM during step 2 or 3 -- to every rank (as Slurm sends it), or to torchrun, which forwards it to every
@@ -140,7 +144,7 @@ def test_lora_export_loads_in_stock_pipeline(lora_run, tiny_flux_dir):
 
 # slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
 # test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_grpo.py::test_lora_export_loads_in_stock_pipeline", cost_s=45)
 def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
     """final/ of a --use_ema run holds the EMA weights (from the last checkpoint's ema/ state), which differ from
     both the base model and the raw trained weights."""
@@ -169,7 +173,7 @@ def test_full_finetune_export_is_the_ema(full_runs, tiny_flux_dir):
 # slow for the default suite's time: the exact resume under this schedule runs in the default suite in
 # test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks] (LoRA); the EMA's checkpoint round trip in
 # test_checkpoint.py::test_resume_continues_bit_identically_world_size_one (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_checkpoint.py::test_resume_continues_bit_identically_world_size_one", cost_s=25)
 def test_full_finetune_with_ema_resumes_exactly(tiny_flux_dir, tiny_data, tmp_path):
     """Full fine-tune with KL, EMA and a warm-up + cosine schedule on 2 ranks: 4 steps straight = 2 steps + resume +
     2 steps, in every metric (the LR column included) and bit for bit in the exported EMA transformer."""
@@ -193,7 +197,7 @@ def test_full_finetune_with_ema_resumes_exactly(tiny_flux_dir, tiny_data, tmp_pa
 
 # slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
 # test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_grpo.py::test_lora_export_loads_in_stock_pipeline", cost_s=1)
 def test_exports_are_written_in_the_export_dtype(full_runs, lora_run, tiny_flux_dir):
     """--export_dtype auto writes the base model's stored dtype (fp32 for the tiny model), bf16 half the bytes; both
     load with from_pretrained / load_lora_weights (test_lora_export_loads_in_stock_pipeline: the bf16 LoRA) and
@@ -221,7 +225,7 @@ def test_exports_are_written_in_the_export_dtype(full_runs, lora_run, tiny_flux_
 
 # slow for the default suite's time: GRPO's full fine-tune is traced in test_fake_cuda.py and trained in
 # test_sample_run.py (default); exports: test_lora_export_loads_in_stock_pipeline
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=1)
 def test_world_size_does_not_change_rewards(full_runs):
     two = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
     one = read_metrics(full_runs["single"] / "metrics.jsonl")
@@ -235,9 +239,9 @@ def test_world_size_does_not_change_rewards(full_runs):
     assert one[1]["reward_mean"] == pytest.approx(two[1]["reward_mean"], rel=1e-4)
 
 
-# slow for the default suite's time (it is the last default user of the full_runs fixture): FSDP2 trains in every
+# slow for the default suite's time: FSDP2 trains in every
 # default trainer test, FSDP1 shards, saves and loads in test_checkpoint.py::test_sharded_checkpoints (default)
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_checkpoint.py::test_sharded_checkpoints", cost_s=1)
 def test_fsdp1_and_fsdp2_agree(full_runs):
     a = read_metrics(full_runs["fsdp2"] / "metrics.jsonl")
     b = read_metrics(full_runs["fsdp1"] / "metrics.jsonl")
@@ -250,14 +254,18 @@ def test_fsdp1_and_fsdp2_agree(full_runs):
 # step is checked against its float64 reference in test_schedulers.py, decode_x0 and init_same_noise in
 # test_rollout.py (default)
 @pytest.mark.parametrize("flags", [
-    pytest.param(("--sde_window_size", "2", "--sde_type", "flow_sde"), marks=pytest.mark.slow),
+    pytest.param(("--sde_window_size", "2", "--sde_type", "flow_sde"), marks=pytest.mark.slow(
+        cover="test_train_grpo.py::test_short_run_writes_every_metric",
+        cost_s=12)),
     pytest.param(("--sde_type", "dance_sde", "--eta", "0.3", "--decode_x0", "--init_same_noise", "--last_step", "sde"),
-                 marks=pytest.mark.slow),
+                 marks=pytest.mark.slow(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=12)),
     # slow for the default suite's time: by default a window with KL runs through update_policy in the pretend-CUDA
     # trace's GRPO-Guard path (test_fake_cuda.py), cps's step against float64 in test_schedulers.py and its KL scale
     # in test_parity_switches.py
     pytest.param(("--sde_type", "cps", "--eta", "0.8", "--sde_window_size", "2", "--sde_window_range", "0", "3",
-                  "--last_step", "sde", "--kl_beta", "0.04", "--lora_rank", "4"), marks=pytest.mark.slow),
+                  "--last_step", "sde", "--kl_beta", "0.04", "--lora_rank", "4"), marks=pytest.mark.slow(
+                      cover="test_train_grpo.py::test_short_run_writes_every_metric",
+                      cost_s=12)),
 ], ids=["window", "dance_sde+decode_x0+init_same_noise", "cps+window+kl"])
 def test_sampler_variants_end_to_end(tiny_flux_dir, tiny_data, tmp_path, flags):
     """2 ranks, 2 steps of each sampler variant: finite metrics and the on-policy ratio exactly 1 at the first update."""
@@ -321,7 +329,7 @@ def test_resume_below_the_checkpoint_step_is_refused(lora_run, tiny_flux_dir, ti
 # slow for the default suite's time (six processes): by default test_flag_layers.py checks that a bad flag or input
 # path is one line and exit status 2 before anything loads (an unknown reward too, via --check_only),
 # test_bad_inputs.py the embeddings' and the batch flags' refusals in process, test_grpo_objectives.py GRPO's
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_flag_layers.py::test_a_bad_flag_is_one_line_and_exit_status_2", cost_s=15)
 def test_bad_flags_fail_before_loading(tiny_flux_dir, tiny_data, tmp_path):
     def run(*extra: str) -> str:
         proc = subprocess.run([sys.executable, *common_args(tiny_flux_dir, tiny_data, tmp_path / "bad", *extra)],
@@ -355,7 +363,7 @@ def test_resume_with_other_flags_is_refused_before_loading(lora_run, tiny_flux_d
     assert (lora_run / "config.json").read_text() == config, "a refused resume must not rewrite config.json"
 
 
-@pytest.mark.slow  # default-suite time; GRPO's path runs in the default suite in test_short_run_writes_every_metric
+@pytest.mark.evidence(cover="test_train_grpo.py::test_short_run_writes_every_metric", cost_s=55)
 def test_grpo_raises_a_weight_free_reward(tiny_flux_dir, tiny_data, tmp_path):
     """40 GRPO steps (2 ranks, 32 samples/step) shrink the images' JPEG size; the lr-0 control stays flat.
 

@@ -91,7 +91,9 @@ def test_resume_restores_the_old_adapter_exactly(lora_runs, tiny_flux_dir, tiny_
 
 # slow (suite time): SIGTERM's stop and resume are training.Run's, shared by the trainers and run by default in
 # test_train_grpo.py::test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]
-@pytest.mark.slow
+@pytest.mark.slow(
+    cover="test_train_grpo.py::test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run[ranks]",
+    cost_s=25)
 def test_sigterm_then_resume_restores_the_old_adapter_exactly(lora_runs, tiny_flux_dir, tiny_data, hps_flags, tmp_path):
     """SIGTERM to the ranks mid-run (checkpoint, exit 0, no export), then --resume_from latest: as ``lora_runs``."""
     out = tmp_path / "run"
@@ -110,7 +112,7 @@ def test_lora_export_loads_in_stock_pipeline(lora_runs, tiny_flux_dir):
 
 # slow for the default suite's time: NFT's full fine-tune is traced at world size 8 in test_fake_cuda.py (default);
 # its update at 2 ranks in test_lora_run_writes_every_metric
-@pytest.mark.slow
+@pytest.mark.slow(cover="test_train_nft.py::test_lora_run_writes_every_metric", cost_s=25)
 def test_full_finetune_with_a_sharded_old_copy(tiny_flux_dir, tiny_data, tmp_path):
     """Full fine-tune on 2 ranks: the old policy is a second sharded transformer, checkpointed (shadow-old) and
     restored exactly on resume; the export is a transformer folder that differs from the base."""
@@ -133,7 +135,7 @@ def test_full_finetune_with_a_sharded_old_copy(tiny_flux_dir, tiny_data, tmp_pat
     assert diff > 1e-6, "the exported transformer equals the base model"
 
 
-@pytest.mark.slow  # default-suite time; NFT's path runs in the default suite in test_lora_run_writes_every_metric
+@pytest.mark.evidence(cover="test_train_nft.py::test_lora_run_writes_every_metric", cost_s=35)
 def test_nft_raises_the_reward_over_an_lr0_control(tiny_flux_dir, tiny_data, tmp_path):
     """2 ranks, the demo's recipe shortened (JPEG reward, full fine-tune, lr 1e-3, 4 ODE steps, 2 prompts x 8
     samples): the trained policy's samples compress better than an lr-0 control's over the same prompts and noise,
