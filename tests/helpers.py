@@ -60,6 +60,35 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 600, env: dic
                          f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{stderr_excerpt(proc.stderr)}")
 
 
+# One torchrun job runs several trainer invocations ([[script, [args...]], ...]) one after another in the same ranks
+# and process group (each run's cleanup leaves the group for the next; a group destroyed and created again per run hung
+# at the fifth in a trial): one start-up (imports, rendezvous) instead of one per run.
+IN_ONE_JOB = '''
+import json, runpy, sys
+import torch.distributed as dist
+sys.path.insert(0, {repo!r})
+
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda group=None: None  # fastvideo.distributed.cleanup: keep the group for the next run
+for script, args in json.loads(sys.argv[1]):
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+destroy()
+'''
+
+
+def run_in_one_job(runs: list[tuple[str, list[str]]], work_dir: Path, nproc: int = 2,
+                   timeout: float = 600) -> subprocess.CompletedProcess:
+    """``runs`` (trainer script, its arguments) in one ``torchrun`` job of ``nproc`` ranks, in order (the driver is
+    written to ``work_dir``); raises as ``run_torchrun`` does if the job fails."""
+    import json
+
+    driver = work_dir / "in_one_job.py"
+    driver.write_text(IN_ONE_JOB.format(repo=str(REPO)))
+    return run_torchrun([str(driver), json.dumps([[script, list(args)] for script, args in runs])], nproc=nproc,
+                        timeout=timeout)
+
+
 def stderr_excerpt(stderr: str, head: int = 3000, tail: int = 6000) -> str:
     """A failed run's stderr: its end, plus the first native crash report (``Fatal Python error``: a rank's
     fatal-signal stack, ``terminate called``: a C++ abort) or else its start. The rank that failed first printed its

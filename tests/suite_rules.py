@@ -165,14 +165,18 @@ def suite_summary() -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------------------- crashes
-# The one crash a job may be retried for: a rank aborted inside gloo's TCP transport (a C++ exception from
-# gloo/transport/tcp escaping into std::terminate), as CI saw once in 2-rank CPU jobs with no Python error. Its
-# fault-handler dump names the gloo exception type or the transport source file.
+# The one crash a job may be retried for: the first rank to fail aborted (SIGABRT) inside gloo's TCP transport (a C++
+# exception from gloo/transport/tcp escaping into std::terminate), as CI saw once in 2-rank CPU jobs with no Python
+# error. Its fault-handler dump names the gloo exception type or the transport source file. A rank that dies because
+# another was killed (a test's SIGKILL, an OOM kill) reports the peer's death in gloo's words too, but the first
+# failure is then the kill, not an abort: that is never retried.
 GLOO_TRANSPORT = re.compile(r"terminate called after throwing an instance of 'gloo::(?:IoException|EnforceNotMet)'"
                             r"|gloo/transport/tcp/\w+\.cc")
-# torchrun's report of a rank killed by a signal (not a rank that raised, whose peers the agent then stops)
-SIGNAL_EXIT = re.compile(r"failed \(exitcode: -\d+\)|Root Cause \(first observed failure\):.*?exitcode\s*:\s*-\d+",
-                         re.S)
+# torchrun's report of the first rank to fail, and its agent's line for each failed rank: the exit code, negative for a
+# signal (-6: SIGABRT)
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.S)
+FAILED_RANK = re.compile(r"failed \(exitcode: (-?\d+)\)")
+SIGABRT = -6
 CRASH_MARKERS = ("Fatal Python error", "terminate called")
 
 
@@ -183,11 +187,15 @@ def crash_report(output: str, size: int = 3000) -> str:
 
 
 def crash_signature(output: str) -> str | None:
-    """``"gloo-transport"`` when a rank was killed by a signal inside gloo's TCP transport, ``"other-signal"`` for any
-    other signal death, None when no rank died by a signal."""
-    if not SIGNAL_EXIT.search(output):
+    """``"gloo-transport"`` when the first rank to fail aborted inside gloo's TCP transport (its native crash report
+    names it), ``"other-signal"`` for any other first failure by a signal, None when the first failure was not a
+    signal (a rank that raised)."""
+    m = ROOT_CAUSE.search(output) or FAILED_RANK.search(output)
+    if m is None or int(m.group(1)) >= 0:
         return None
-    return "gloo-transport" if GLOO_TRANSPORT.search(crash_report(output, size=20000) or output) else "other-signal"
+    if int(m.group(1)) == SIGABRT and GLOO_TRANSPORT.search(crash_report(output, size=20000)):
+        return "gloo-transport"
+    return "other-signal"
 
 
 def note_flaky(report: str) -> None:

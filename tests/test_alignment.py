@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, run_in_one_job, run_torchrun
 from helpers import comparable as comparable_row
 
 from fastvideo import compare, record
@@ -69,11 +69,12 @@ def grpo_alignment(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dic
     runs = {name: base / name for name in ("two", "replay", "perturbed", "one")}
     run_torchrun(trainer_args("grpo", tiny_flux_dir, tiny_data, runs["two"], *hps_flags,
                               "--record_dir", str(runs["two"] / "rec")))
-    for name, model in (("replay", tiny_flux_dir), ("perturbed", perturbed)):
-        run_torchrun(trainer_args("grpo", model, tiny_data, runs[name], *hps_flags, "--replay_dir",
-                                  str(runs["two"] / "rec"), "--record_dir", str(runs[name] / "rec")), nproc=1)
-    run_torchrun(trainer_args("grpo", tiny_flux_dir, tiny_data, runs["one"], *hps_flags, "--record_dir",
-                              str(runs["one"] / "rec")), nproc=1)
+    one_rank = [trainer_args("grpo", model, tiny_data, runs[name], *hps_flags, "--replay_dir",
+                             str(runs["two"] / "rec"), "--record_dir", str(runs[name] / "rec"))
+                for name, model in (("replay", tiny_flux_dir), ("perturbed", perturbed))]
+    one_rank.append(trainer_args("grpo", tiny_flux_dir, tiny_data, runs["one"], *hps_flags, "--record_dir",
+                                 str(runs["one"] / "rec")))
+    run_in_one_job([(args[0], args[1:]) for args in one_rank], base, nproc=1)  # the three 1-rank runs, one start-up
     return runs
 
 

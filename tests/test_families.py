@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, run_torchrun
+from helpers import REPO, run_in_one_job, run_torchrun
 
 MSL = 32  # text tokens stored per prompt
 H = W = 64
@@ -253,11 +253,11 @@ def test_dpo_and_nft_train_with_lora(fam, tmp_path):
               "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
               "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
               "--max_train_steps", "2", "--checkpointing_steps", "100", "--lora_rank", "4"]
-    run_torchrun(["train_dpo.py", *common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
-                  str(fam["family"].defaults.cfg_scale)])
-    run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"])
-    run_torchrun(["train_nft.py", *common, "--output_dir", str(tmp_path / "awm"), "--cfg_scale", "1", "--objective",
-                  "awm", "--awm_timesteps", "2"])
+    run_in_one_job([("train_dpo.py", [*common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
+                                      str(fam["family"].defaults.cfg_scale)]),
+                    ("train_nft.py", [*common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"]),
+                    ("train_nft.py", [*common, "--output_dir", str(tmp_path / "awm"), "--cfg_scale", "1",
+                                      "--objective", "awm", "--awm_timesteps", "2"])], tmp_path)
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
                 max_sequence_length=MSL)
     base = _pipeline(fam["model"])(generator=torch.Generator().manual_seed(0), **call).images

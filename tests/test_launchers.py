@@ -100,8 +100,8 @@ def test_grpo_launcher_with_model_path_needs_embeddings(tmp_path):
 def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path_factory):
     """docs/memory.md's block: `MODEL_PATH=data/flux-dev-config bash scripts/finetune_flux_grpo.sh --dry_run --device
     cuda` on a folder of FLUX.1-dev configs (no weights, embeddings, torchrun or GPU): DanceGRPO's recipe planned for 8
-    ranks within 80 GiB per GPU, every item of the plan listed, nothing written (the one FLUX.1-dev GRPO dry run of the
-    suite; the other recipes' plans: test_recipes.py, slow)."""
+    ranks within 80 GiB per GPU, every item of the plan listed, nothing written (the default tier's one FLUX.1-dev dry
+    run; the slow tier plans every recipe on its preset once, test_recipes.py)."""
     workspace, output = doc_workspace("dry-run", tmp_path_factory)
     assert "world_size=8" in output and "samples_per_rank=24" in output
     assert "batch arithmetic: prompts_per_step=16, samples_per_step=192, samples_per_rank=24" in output

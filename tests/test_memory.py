@@ -89,9 +89,9 @@ def large_dir(tmp_path_factory) -> Path:
     return out
 
 
-# evidence: the measured RSS of sharded loading against a single process; the loading path runs by default in every
-# trainer test and in test_export_gathers_at_most_one_unit_beside_rank_0[2]
-@pytest.mark.evidence(cover="test_memory.py::test_export_gathers_at_most_one_unit_beside_rank_0[2]", cost_s=30)
+# evidence: the measured RSS of sharded loading against a single process; the loader runs by default in every trainer
+# test and in test_safetensors_reader_matches_from_pretrained
+@pytest.mark.evidence(cover="test_memory.py::test_safetensors_reader_matches_from_pretrained", cost_s=30)
 @pytest.mark.parametrize("kl", [False, True], ids=["policy", "policy+reference"])
 def test_sharded_loading_rss(large_dir, kl):
     """Peak RSS increase while building, sharding and loading the policy (and the frozen reference of a full
@@ -125,9 +125,10 @@ def test_sharded_loading_is_exact_for_other_layouts(bench_dir, flags, nproc):
     assert r[0]["max_abs_diff_vs_file"] == 0.0
 
 
-@pytest.mark.parametrize("version", [pytest.param(1, marks=pytest.mark.slow(
-    cover="test_memory.py::test_export_gathers_at_most_one_unit_beside_rank_0[2]",
-    cost_s=12)), 2])  # FSDP1: slow (suite time)
+# evidence: measured RSS bands of the export; the export's gathering runs by default in
+# test_parallel.py::test_sharded_training_matches_single_process (full_state_dict: the whole model on rank 0, {} elsewhere)
+@pytest.mark.evidence(cover="test_parallel.py::test_sharded_training_matches_single_process", cost_s=12)
+@pytest.mark.parametrize("version", [1, 2])
 def test_export_gathers_at_most_one_unit_beside_rank_0(large_dir, version):
     """full_state_dict for the final export: rank 0 ends with the whole model; the other ranks never hold more than
     an FSDP unit or two (FSDP1 used to gather everything on every rank when the parameters were on the CPU)."""

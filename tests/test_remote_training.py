@@ -54,16 +54,18 @@ def test_remote_reward_trains_exactly_as_the_local_one(toy_world, tmp_path):
     assert health["counters"]["images"] == 2 * 8  # 2 steps x 8 images, each scored once on the server
 
 
-# the resume is slow (suite time, ~10 s): the default suite checks that the newest checkpoint is complete (below) and
-# that the fingerprint leaves server addresses out (test_the_fingerprint_leaves_reward_server_addresses_out)
-@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow(
-    cover="test_remote_training.py::test_a_server_killed_mid_run_ends_every_rank_naming_the_url[stop]",
-    cost_s=15))], ids=["stop", "resume"])
-def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_path, resume):
+# slow (suite time, ~10 s each): by default a remote reward that fails ends every rank naming its URL with an intact
+# checkpoint (test_reward_overlap.py, through the same client), the client's bound and a dead server's error are
+# checked in test_reward_server.py, and the fingerprint leaves server addresses out
+# (test_the_fingerprint_leaves_reward_server_addresses_out)
+@pytest.mark.slow(
+    cover="test_reward_overlap.py::test_a_reward_failing_on_one_rank_ends_every_rank_with_its_message[overlap]",
+    cost_s=12)
+def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_path):
     """The server dies after the step-1 checkpoint: both ranks stop within the client's bound
     (--reward_timeout_s x (retries + 1) + backoff, plus the step in flight), each naming the URL; the newest
-    checkpoint is complete, and (``resume``) the run resumes from it against a server at another address (the
-    fingerprint leaves reward-server addresses out) and finishes."""
+    checkpoint is complete, and the run resumes from it against a server at another address (the fingerprint leaves
+    reward-server addresses out) and finishes."""
     from fastvideo.checkpoint import latest_checkpoint
 
     out = tmp_path / "run"
@@ -96,8 +98,6 @@ def test_a_server_killed_mid_run_ends_every_rank_naming_the_url(toy_world, tmp_p
     last = latest_checkpoint(out)
     step = int(last.name.split("-")[1])
     assert 1 <= step < 40
-    if not resume:
-        return
     with launch(["--reward", "toyworld", "--device", "cpu"]) as moved:
         assert moved.url != url
         run_torchrun(_grpo_args(toy_world, out, f"remote:{moved.url}", "--max_train_steps", str(step + 1),

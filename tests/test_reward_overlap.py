@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import REPO, assert_same_metrics, free_port, run_torchrun
+from helpers import REPO, assert_same_metrics, free_port, run_in_one_job
 
 from fastvideo import training
 from fastvideo.rewards import RewardFn, build_reward
@@ -185,37 +185,18 @@ TRAINERS = {"grpo": ("train_grpo_flux.py", "--eta", "1.0", "--timestep_fraction"
             "nft": ("train_nft.py", "--kl_beta", "0.01", "--max_train_steps", "2")}
 
 
-# One torchrun job runs the trainers given as JSON [[script, [args...]], ...] one after another in the same two
-# processes and process group (each run's cleanup leaves it for the next; a group destroyed and created again per run
-# hung at the fifth in a trial): one start-up (imports, group), not six.
-IN_ONE_JOB = '''
-import json, runpy, sys
-import torch.distributed as dist
-sys.path.insert(0, {repo!r})
-
-destroy = dist.destroy_process_group
-dist.destroy_process_group = lambda group=None: None  # fastvideo.distributed.cleanup: keep the group for the next run
-for script, args in json.loads(sys.argv[1]):
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
-destroy()
-'''
-
-
 @pytest.fixture(scope="module")
 def overlap_runs(toy_world, tmp_path_factory) -> dict[str, dict[str, Path]]:
     """Each trainer's 2-step run, sequential and with --reward_overlap, in one 2-rank job (~50 s for the six runs,
     ~130 s as six jobs): ``{trainer: {"sequential": OUT, "overlap": OUT}}``."""
     root = tmp_path_factory.mktemp("overlap")
-    driver = root / "in_one_job.py"
-    driver.write_text(IN_ONE_JOB.format(repo=str(REPO)))
     outs = {name: {mode: root / f"{name}-{mode}" for mode in ("sequential", "overlap")} for name in TRAINERS}
     runs = []
     for name, (script, *flags) in TRAINERS.items():
         for mode, out in outs[name].items():
             args = _trainer_args(script, toy_world, out, *flags, *(["--reward_overlap"] if mode == "overlap" else []))
             runs.append((args[0], args[1:]))
-    run_torchrun([str(driver), json.dumps(runs)])
+    run_in_one_job(runs, root)
     return outs
 
 

@@ -185,7 +185,7 @@ def test_evidence_shards_split_by_file_longest_first_and_cover_every_file():
 
 
 CRASHER = '''
-import os, sys
+import os, signal, sys
 from pathlib import Path
 
 count = Path(sys.argv[1])
@@ -194,20 +194,22 @@ count.write_text(str(n))
 if n <= int(sys.argv[2]):
     sys.stderr.write(sys.argv[3] + "\\n")
     sys.stderr.flush()
-    os.abort()
+    os.kill(os.getpid(), signal.SIGKILL) if sys.argv[4] == "kill" else os.abort()
 '''
 GLOO_ABORT = ("terminate called after throwing an instance of 'gloo::IoException'\n  what():  "
               "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: Connection reset")
 OTHER_ABORT = "Fatal Python error: Segmentation fault\n\nCurrent thread 0x01 (most recent call first):\n  File x.py"
 
 
-@pytest.mark.parametrize("report, crashes, attempts, ok", [(GLOO_ABORT, 1, 2, True), (GLOO_ABORT, 2, 2, False),
-                                                           (OTHER_ABORT, 1, 1, False)],
-                         ids=["gloo-once-retried", "gloo-twice-fails", "other-signal-fails"])
-def test_a_signal_killed_job_is_retried_once_only_for_the_gloo_transport_signature(tmp_path, report, crashes,
+@pytest.mark.parametrize("report, crashes, how, attempts, ok", [
+    (GLOO_ABORT, 1, "abort", 2, True), (GLOO_ABORT, 2, "abort", 2, False), (OTHER_ABORT, 1, "abort", 1, False),
+    (GLOO_ABORT, 1, "kill", 1, False)], ids=["gloo-once-retried", "gloo-twice-fails", "other-signal-fails",
+                                             "killed-rank-fails"])
+def test_a_signal_killed_job_is_retried_once_only_for_the_gloo_transport_signature(tmp_path, report, crashes, how,
                                                                                     attempts, ok):
     """A rank aborted with gloo's transport exception runs once more and the run's summary gets ``FLAKY: <test>
-    <crash report>``; a second such crash, or any other signal death, fails at once with the report."""
+    <crash report>``; a second such crash, any other signal death, or gloo's words after a rank was SIGKILLed (as a
+    test kills one on purpose) fail at once with the report."""
     import suite_rules
     from helpers import run_torchrun
 
@@ -215,14 +217,14 @@ def test_a_signal_killed_job_is_retried_once_only_for_the_gloo_transport_signatu
     script.write_text(CRASHER)
     before = len(suite_rules._flaky)
     try:
-        run_torchrun([str(script), str(count), str(crashes), report], nproc=1, timeout=120)
+        run_torchrun([str(script), str(count), str(crashes), report, how], nproc=1, timeout=120)
         passed = True
     except AssertionError as err:
         passed = False
-        assert report.splitlines()[0] in str(err)
+        assert report.splitlines()[0] in str(err) or how == "kill"
     assert (passed, int(count.read_text())) == (ok, attempts)
     flaky = suite_rules._flaky[before:]
-    assert len(flaky) == (1 if report == GLOO_ABORT else 0)
+    assert len(flaky) == (1 if (report, how) == (GLOO_ABORT, "abort") else 0)
     if flaky:
         assert flaky[0].startswith("FLAKY: tests/test_suite_rules.py::test_a_signal_killed_job_is_retried_once_only")
         assert "gloo::IoException" in flaky[0]
