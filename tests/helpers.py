@@ -73,7 +73,8 @@ dist.destroy_process_group = lambda group=None: None  # fastvideo.distributed.cl
 for script, args in json.loads(sys.argv[1]):
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
-destroy()
+if dist.is_initialized():  # one rank runs without a process group
+    destroy()
 '''
 
 
