@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, validate_flags
+from helpers import REPO, toy_data_dir, validate_flags
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import algorithms as A  # noqa: E402
@@ -137,22 +137,11 @@ def test_ratio_interval_bootstraps_over_seeds():
     assert all(math.isnan(v) for v in A.ratio_interval([1.0], [0.0, -1.0]))
 
 
-def _toy_data_dir(toy_world, root):
-    """A launchers' DATA_DIR made of the session's toy-world fixture (links, nothing rebuilt)."""
-    data = root / "data"
-    (data / "toyworld-prompts").mkdir(parents=True)
-    (data / "toy-flux").symlink_to(toy_world["model"])
-    (data / "toyworld-prompts" / "heldout.txt").symlink_to(toy_world["heldout"].parent.parent / "prompts.txt")
-    for split in ("train", "heldout"):
-        (data / f"toyworld-{split}").symlink_to(toy_world[split].parent)
-    return data
-
-
 def _smoke(toy_world, tmp_path, objectives):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "algorithms.py"), "--smoke", "--out", str(out),
-                           "--data_dir", str(_toy_data_dir(toy_world, tmp_path)), "--objectives", *objectives],
+                           "--data_dir", str(toy_data_dir(toy_world, tmp_path)), "--objectives", *objectives],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
