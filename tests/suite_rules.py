@@ -155,7 +155,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         drop = [i for i in items if tier_of(i) == "evidence" and i.path.name not in keep]
         if drop:
             config.hook.pytest_deselected(items=drop)
-            items[:] = [i for i in items if i not in set(drop)]
+            dropped = set(drop)
+            items[:] = [i for i in items if i not in dropped]
 
 
 def suite_summary() -> dict | None:
