@@ -244,20 +244,26 @@ def test_dry_run_plans_the_real_config_in_seconds(fam, tmp_path):
     assert "x 2 (CFG)" in proc.stdout  # the guided rollout's doubled batch is planned
 
 
-@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=30)
-def test_dpo_and_nft_train_with_lora(fam, tmp_path):
-    """Online DPO (CFG rollout, unguided loss), DiffusionNFT and AWM (CFG-free, --cfg_scale 1), 2 steps each with LoRA
-    on 2 ranks: finite losses, a moving policy, exports the stock pipeline loads and that change its images."""
+@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=35)
+def test_dpo_nft_awm_with_lora_and_a_grpo_full_fine_tune(fam, tmp_path):
+    """In one 2-rank job, 2 steps each: online DPO (CFG rollout, unguided loss), DiffusionNFT and AWM (CFG-free,
+    --cfg_scale 1) with LoRA: finite losses, a moving policy, exports the stock pipeline loads and that change its
+    images; and GRPO as a full fine-tune (no LoRA): OUT/final is a transformer folder the family's diffusers class
+    loads, with weights that differ from the base model's."""
     common = ["--pretrained_model_name_or_path", str(fam["model"]), "--data_json_path", str(fam["manifest"]),
               "--device", "cpu", "--h", str(H), "--w", str(W), "--sampling_steps", "4", "--num_generations", "4",
               "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
               "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
               "--max_train_steps", "2", "--checkpointing_steps", "100", "--lora_rank", "4"]
+    family = fam["family"]
+    full = _grpo_args(fam, tmp_path / "full", "--lora_rank", "0", "--cfg_scale", str(family.defaults.cfg_scale),
+                      "--learning_rate", "1e-4")
     run_in_one_job([("train_dpo.py", [*common, "--output_dir", str(tmp_path / "dpo"), "--cfg_scale",
-                                      str(fam["family"].defaults.cfg_scale)]),
+                                      str(family.defaults.cfg_scale)]),
                     ("train_nft.py", [*common, "--output_dir", str(tmp_path / "nft"), "--cfg_scale", "1"]),
                     ("train_nft.py", [*common, "--output_dir", str(tmp_path / "awm"), "--cfg_scale", "1",
-                                      "--objective", "awm", "--awm_timesteps", "2"])], tmp_path)
+                                      "--objective", "awm", "--awm_timesteps", "2"]),
+                    (full[0], full[1:])], tmp_path)
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
                 max_sequence_length=MSL)
     base = _pipeline(fam["model"])(generator=torch.Generator().manual_seed(0), **call).images
@@ -268,22 +274,17 @@ def test_dpo_and_nft_train_with_lora(fam, tmp_path):
         pipe.load_lora_weights(tmp_path / name / "final")  # a LoRA folder of the family's pipeline
         tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
         assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4, name
-
-
-@pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)
-def test_full_fine_tune_exports_a_transformer_the_stock_class_loads(fam, tmp_path):
-    """GRPO full fine-tune (no LoRA), 2 steps: OUT/final is a transformer folder the family's diffusers class loads,
-    with weights that differ from the base model's."""
-    family = fam["family"]
-    out = tmp_path / "full"
-    _grpo(fam, out, "--lora_rank", "0", "--cfg_scale", str(family.defaults.cfg_scale), "--learning_rate", "1e-4")
     cls = family.transformer_class()
-    tuned = cls.from_pretrained(out / "final", local_files_only=True)
+    tuned = cls.from_pretrained(tmp_path / "full" / "final", local_files_only=True)
     base = cls.from_pretrained(family.transformer_folder(fam["model"]), local_files_only=True)
     moved = max((a - b).abs().max().item() for a, b in zip(tuned.state_dict().values(), base.state_dict().values()))
     assert moved > 0
 
 
+# one family (Qwen-Image: true CFG with a negative prompt, the most guided state to restore and replay): resume and
+# record/replay are the scaffold's, the same for every family; each family's guided replay is checked on-policy by
+# test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads
+@pytest.mark.parametrize("fam", ["qwen-image"], indirect=True)
 @pytest.mark.slow(cover=FLUX2_GRPO, cost_s=25)
 def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
     """GRPO LoRA with CFG, 2 steps on 2 ranks with a checkpoint after each and a recording: continued from step 1 it

@@ -378,10 +378,13 @@ def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path, demo_da
                    env=_demo_env(tmp_path, demo_data_dir, "warm", DEMO="jpeg"), timeout=600)
     procs = []
     for name in ("a", "b"):
-        env = _demo_env(tmp_path, demo_data_dir, name, DEMO="jpeg")
+        # one thread each and the smallest step (2 samples, 2 sampling steps): the two runs share the 2 cores
+        env = _demo_env(tmp_path, demo_data_dir, name, DEMO="jpeg", OMP_NUM_THREADS="1")
         env.pop("MASTER_PORT")
         procs.append(subprocess.Popen(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "1",
-                                       "--sample_every", "0"],
+                                       "--sample_every", "0", "--sampling_steps", "2", "--num_generations", "2",
+                                       "--prompts_per_step", "1", "--rollout_batch_size", "2",
+                                       "--train_batch_size", "2"],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for name, proc in zip("ab", procs):
         out, err = proc.communicate(timeout=600)
