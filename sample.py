@@ -35,7 +35,9 @@ import torch
 
 from fastvideo import distributed as D
 from fastvideo import errors, evaluation, runs
-from fastvideo.config import RewardOptions, SampleOptions, build_parser, parse_with_config, validate_sample
+from fastvideo.config import build_parser, parse_with_config
+from fastvideo.evaluation import SampleOptions, validate_sample
+from fastvideo.rewards import RewardOptions
 
 
 def build_sample_parser() -> argparse.ArgumentParser:
@@ -100,7 +102,8 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     from fastvideo.record import image_name, save_png
     from fastvideo.rewards import build_reward, check_reward_paths, check_reward_prompts
     from fastvideo.seeding import NoiseSource
-    from fastvideo.training import REWARD_PATH_FLAGS, compute_dtype
+    from fastvideo.devices import compute_dtype
+    from fastvideo.rewards import REWARD_PATH_FLAGS
 
     dist = D.init_distributed(args.device)
     out = Path(args.output_dir)

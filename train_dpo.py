@@ -1,4 +1,5 @@
-"""Diffusion-DPO post-training of a FLUX transformer (REFERENCE §5), online or offline, torchrun + FSDP.
+"""Diffusion-DPO post-training of a flow-matching transformer of any model family (docs/algorithms.md §5), online or
+offline, torchrun + FSDP.
 
 Online step: prompts -> batched ODE (or SDE) rollout -> decode -> reward -> gather over ranks -> pair the best with
 the worst image of each prompt group (gap >= --min_reward_gap) -> spread the pairs over ranks -> per micro-batch of
@@ -19,20 +20,21 @@ from pathlib import Path
 
 import torch
 
+from fastvideo import devices, errors, flops, launch, models, training
 from fastvideo import distributed as D
-from fastvideo import devices, errors, flops, models, training
 from fastvideo.advantages import best_worst_pairs, share_pairs
-from fastvideo.config import parse_dpo_args, validate_dpo
-from fastvideo.data import EmbeddingDataset, GroupSampler
+from fastvideo.data import EmbeddingDataset
 from fastvideo.losses import dpo_loss, dpo_pair_metrics
 from fastvideo.memory import plan_dpo
+from fastvideo.objectives import parse_dpo_args, validate_dpo
 from fastvideo.preference import LatentCache, read_preference_file
+from fastvideo.prompt_groups import GroupSampler
 from fastvideo.rollout import pair_errors, pair_noise, rollout
 from fastvideo.schedulers import table_sigma
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(errors.parse_or_exit(parse_dpo_args, argv), validate_dpo, plan_dpo, train)
+    launch.run_main(errors.parse_or_exit(parse_dpo_args, argv), validate_dpo, plan_dpo, train)
 
 
 def train(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""GRPO post-training of a FLUX transformer (DanceGRPO / Flow-GRPO style), torchrun + FSDP.
+"""GRPO post-training of a flow-matching transformer (any model family; DanceGRPO / Flow-GRPO style), torchrun + FSDP.
 
 One step: sample prompts -> batched SDE rollout with log-probs -> decode -> reward -> gather and
 group advantages -> for every micro-batch and trained timestep, replay the step with the current
@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, errors, training
+from fastvideo import devices, errors, launch, training
 from fastvideo import distributed as D
-from fastvideo.config import parse_grpo_args, validate_grpo
-from fastvideo.losses import first_update_check, flow_dppo_loss, grpo_guard_loss, grpo_loss, kl_loss
+from fastvideo.losses import POLICY_LOSS_TABLE, StepTerms, first_update_check, kl_loss
 from fastvideo.memory import plan_grpo
-from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps, window_position
+from fastvideo.objectives import parse_grpo_args, validate_grpo
+from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout, select_trained_timesteps, window_position
 from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(errors.parse_or_exit(parse_grpo_args, argv), validate_grpo, plan_grpo, train)
+    launch.run_main(errors.parse_or_exit(parse_grpo_args, argv), validate_grpo, plan_grpo, train)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -41,6 +41,7 @@ def train(args: argparse.Namespace) -> None:
     policy, vae, amp_dtype = run.policy, run.vae, run.amp_dtype
     start_step = run.resume(sampler=sampler)
     warned_ratio = False
+    loss_entry = POLICY_LOSS_TABLE[args.policy_loss]  # --policy_loss: its rollout data and metrics
 
     for step in range(start_step + 1, args.max_train_steps + 1):
         samples = sampler.next()
@@ -51,7 +52,7 @@ def train(args: argparse.Namespace) -> None:
         policy.model.eval()
         pending = run.pending_rewards(batch["prompts"])
         traj = rollout(policy.model, vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
-                       device=device, autocast_dtype=amp_dtype, keep_means=args.policy_loss != "clip",
+                       device=device, autocast_dtype=amp_dtype, keep_means=loss_entry.needs_means,
                        on_decoded=pending)
         policy.model.train()
         t_rollout = time.perf_counter() - t0
@@ -76,7 +77,7 @@ def train(args: argparse.Namespace) -> None:
         if not len(first_ratios):  # no update this step (every sample dropped): NaN ratio metrics
             ratio_all = diff_all = first_ratios = torch.full((1,), float("nan"))
         first_metrics, ratio_warning = first_update_check(first_ratios, args.clip_range)  # on-policy check
-        for name in ("loss", "clipfrac", *LOSS_METRICS[args.policy_loss]):  # no update (all samples dropped): 0
+        for name in ("loss", "clipfrac", *loss_entry.metrics):  # no update (all samples dropped): 0
             host.setdefault(name, torch.zeros(upd.timesteps.shape[1]))
         weights = torch.tensor(upd.counts or [1] * len(host["clipfrac"]), dtype=torch.float32)
 
@@ -93,7 +94,7 @@ def train(args: argparse.Namespace) -> None:
             "ratio_mean": ratio_all.mean(), "ratio_std": ratio_all.std(unbiased=False), "ratio_min": ratio_all.min(),
             "ratio_max": ratio_all.max(), **first_metrics,
             "approx_kl": 0.5 * (diff_all ** 2).mean(),
-            **{k: sample_mean(host[k]) for k in LOSS_METRICS[args.policy_loss]}, **({"kept_frac": upd.kept_frac}
+            **{k: sample_mean(host[k]) for k in loss_entry.metrics}, **({"kept_frac": upd.kept_frac}
                                                               if args.drop_zero_advantage else {}),
             "grad_norm": sum(upd.grad_norms) / max(len(upd.grad_norms), 1),
             "trained_timesteps": upd.timesteps.shape[1],
@@ -140,22 +141,15 @@ class Update:
     kept_frac: float = 1.0
 
 
-LOSS_METRICS = {"clip": (), "guard": ("guard_bias_mean",), "dppo": ("dppo_divergence_mean", "dppo_masked_frac")}
-
-
 def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tensor, log_prob: torch.Tensor,
                 mean: torch.Tensor, std: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict]:
-    """--policy_loss of one replayed step: clip (``grpo_loss``), guard (``grpo_guard_loss``: the rollout's mean and
-    sqrt(-dt) too) or dppo (``flow_dppo_loss``); ``valid``: the real rows of a padded micro-batch (its metrics')."""
-    old_log_prob = traj.log_probs[idx, j]
-    if args.policy_loss == "clip":
-        return grpo_loss(log_prob, old_log_prob, adv, args.clip_range, valid)
-    old_mean = traj.means[idx, j]
-    if args.policy_loss == "guard":
-        return grpo_guard_loss(log_prob, old_log_prob, adv, mean, old_mean, std, traj.sqrt_neg_dt(j), args.clip_range,
-                               valid)
-    return flow_dppo_loss(log_prob, old_log_prob, adv, mean, old_mean, std, args.dppo_threshold, valid)
+    """--policy_loss of one replayed step (``losses.POLICY_LOSS_TABLE``): the rollout's log-probabilities, and its
+    step means and sqrt(-dt) for a loss that compares them; ``valid``: the real rows of a padded micro-batch."""
+    entry = POLICY_LOSS_TABLE[args.policy_loss]
+    terms = StepTerms(log_prob, traj.log_probs[idx, j], adv, mean, traj.means[idx, j] if entry.needs_means else None,
+                      std, traj.sqrt_neg_dt(j) if entry.needs_means else None, valid)
+    return entry.compute(terms, args)
 
 
 def update_policy(run: training.Run, traj, batch: dict, samples, advantages: torch.Tensor, step: int,
@@ -165,7 +159,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     scaled by 1/(accumulated micro-batches x timesteps) (weighted micro-batches: the weighted sum over 1/timesteps);
     an optimizer step after each. ``adv_all``: the gathered advantages (P*G,), needed by the two switches."""
     args, policy, amp_dtype = run.args, run.policy, run.amp_dtype
-    geometry, rollout_cfg = run.geometry, training.rollout_config(args)
+    geometry, rollout_cfg = run.geometry, RolloutConfig.from_args(args)
     timesteps = select_trained_timesteps(traj, samples.prompt_ids, samples.sample_indices, step, run.noise,
                                          timestep_fraction=args.timestep_fraction,
                                          selection=args.timestep_selection)  # (B, K)
@@ -208,7 +202,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
                 out.real.append(real)
                 out.counts.append(int(real.sum()))
                 out.first.append(torch.full((len(idx_cpu),), opt_index == 0))  # before the first optimizer step
-                for name in LOSS_METRICS[args.policy_loss]:
+                for name in POLICY_LOSS_TABLE[args.policy_loss].metrics:
                     out.extra.setdefault(name, []).append(m[name])
         out.grad_norms.append(run.optimizer_step())
     return out

@@ -1,14 +1,14 @@
-"""DiffusionNFT (REFERENCE §6) or, with --objective awm, Advantage Weighted Matching (AWM, arXiv:2509.25050)
-post-training of a FLUX transformer, torchrun + FSDP2.
+"""DiffusionNFT (docs/algorithms.md §6) or, with --objective awm, Advantage Weighted Matching (AWM, arXiv:2509.25050)
+post-training of a flow-matching transformer (any model family), torchrun + FSDP2.
 
-One step: prompts -> batched deterministic rollout (--solver euler | dpm2; no classifier-free guidance) with the *old*
-policy (NFT; AWM with --awm_off_policy) or the trained one (AWM), keeping each sample's clean latent x0 -> decode ->
-reward -> gather over ranks -> group advantages (NFT: -> optimality r, --adv_mode) -> for every micro-batch and trained
-sigma t (NFT: int(S x --timestep_fraction) of the sampling grid in a per-sample random order; AWM: --awm_timesteps, one
-per stratum of that range), fresh noise each: x_t = (1-t) x0 + t eps, v_old (old policy, when kept) and v_ref
-(reference, with --kl_beta) without grad, v_theta with grad -> the objective's loss (NFT: in x0 space; AWM: the
-advantage-weighted flow-matching loss ||v_theta - (eps - x0)||², PPO-clipped) -> backward -> optimizer step(s) -> every
---old_update_interval steps old <- d old + (1-d) theta (--old_decay_schedule).
+One step: prompts -> batched deterministic rollout (--solver euler | dpm2; guided only with --cfg_scale > 1) with the
+*old* policy (NFT; AWM with --awm_off_policy) or the trained one (AWM), keeping each sample's clean latent x0 -> decode
+-> reward -> gather over ranks -> group advantages (NFT: -> optimality r, --adv_mode) -> for every micro-batch and
+trained sigma t (NFT: int(S x --timestep_fraction) of the sampling grid in a per-sample random order; AWM:
+--awm_timesteps, one per stratum of that range), fresh noise each: x_t = (1-t) x0 + t eps, v_old (old policy, when kept)
+and v_ref (reference, with --kl_beta) without grad, v_theta with grad -> the objective's loss (NFT: in x0 space; AWM:
+the advantage-weighted flow-matching loss ||v_theta - (eps - x0)||², PPO-clipped) -> backward -> optimizer step(s) ->
+every --old_update_interval steps old <- d old + (1-d) theta (--old_decay_schedule).
 
 AWM is a flag of this script, not a script of its own: it shares every phase with DiffusionNFT (rollout, reward,
 group advantages, forward-process update over micro-batches x sigmas, the old policy as a slow EMA of theta, the
@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastvideo import devices, errors, models, training
-from fastvideo.config import nft_uses_old_policy, parse_nft_args, validate_nft
+from fastvideo import devices, errors, launch, models, training
 from fastvideo.losses import (awm_log_prob, awm_loss, nft_advantages, nft_loss, nft_old_decay, nft_optimality,
                               velocity_deviation)
 from fastvideo.memory import plan_nft
+from fastvideo.objectives import parse_nft_args, validate_nft
+from fastvideo.policy import nft_uses_old_policy
 from fastvideo.rollout import awm_timesteps, forward_noise, model_velocity, nft_timesteps, rollout
 from fastvideo.training import rank_mean
 
 
 def main(argv: list[str] | None = None) -> None:
-    training.run_main(errors.parse_or_exit(parse_nft_args, argv), validate_nft, plan_nft, train)
+    launch.run_main(errors.parse_or_exit(parse_nft_args, argv), validate_nft, plan_nft, train)
 
 
 def train(args: argparse.Namespace) -> None:

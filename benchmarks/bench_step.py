@@ -239,9 +239,9 @@ def run_loop(loop: str, train_args: argparse.Namespace, device: torch.device, ch
     per-step phase seconds, the checkpoint's seconds, peak memory, the run's metrics and (``check``) the first
     update's gradients and trajectory."""
     import train_grpo_flux
-    from fastvideo import checkpoint as ckpt
     from fastvideo import devices, parallel, training
     from fastvideo import distributed as D
+    from fastvideo.ema import EMA
 
     clock = PhaseClock(device)
     found: dict[str, Any] = {"checkpoint_s": 0.0}
@@ -325,7 +325,7 @@ def run_loop(loop: str, train_args: argparse.Namespace, device: torch.device, ch
                 (training.Run, "score_rollout", timed(clock, "reward")),  # both paths' wait for the rewards
                 (train_grpo_flux, "update_policy", timed(clock, "train")),
                 (training.Run, "optimizer_step", optimizer_wrapper),
-                (ckpt.EMA, "update", timed(clock, "ema")),
+                (EMA, "update", timed(clock, "ema")),
                 (training, "save_state", save_wrapper),
                 (training, "export_final", lambda fn: (lambda *a, **k: None)),  # not part of a step
                 (training, "write_plots", lambda fn: (lambda out: "not written (benchmark)")),
@@ -374,7 +374,7 @@ def worker(cfg_path: str) -> None:
     """One torchrun: the peak matmul rate per dtype (all ranks at once), then per dtype both loops."""
     from fastvideo import distributed as D
     from fastvideo import flops
-    from fastvideo.config import parse_grpo_args
+    from fastvideo.objectives import parse_grpo_args
 
     cfg = json.loads(Path(cfg_path).read_text())
     D.init_distributed(cfg["device"])
@@ -427,12 +427,12 @@ def _device_name(device: torch.device) -> str:
 def summarize(cfg: dict, worker_out: dict, model_config: dict, text_tokens: int, image_tokens: int) -> dict:
     """Per dtype and loop: mean phase seconds over the timed steps (max over ranks, checkpoint amortised), samples/s,
     fractions, MFU; and the headline numbers of the primary dtype."""
-    from fastvideo import flops
+    from fastvideo.models import flux
 
     world = cfg["world_size"]
     samples = cfg["num_generations"] * cfg["prompts_per_step"]
     trained = max(1, int((cfg["sampling_steps"] - 1) * cfg["timestep_fraction"]))
-    fwd = flops.transformer_flops(model_config, image_tokens, text_tokens, 1)
+    fwd = flux.transformer_flops(model_config, image_tokens, text_tokens, 1)
     flops_rollout = samples * cfg["sampling_steps"] * fwd
     flops_train = samples * trained * 3 * fwd
     out: dict[str, Any] = {"config": {k: v for k, v in cfg.items() if k not in ("work_dir", "worker_out")},

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastvideo.config import parse_grpo_args, validate_grpo  # noqa: E402
+from fastvideo.objectives import parse_grpo_args, validate_grpo  # noqa: E402
 from fastvideo.memory import GiB, plan_grpo  # noqa: E402
 
 # scripts/finetune_flux_grpo.sh with MODEL_PATH (DanceGRPO's FLUX recipe), less the flags varied below

@@ -1,4 +1,4 @@
-"""Group-normalised advantages for GRPO (REFERENCE §3) and best-vs-worst pairs for online DPO (§5), on the
+"""Group-normalised advantages for GRPO (docs/algorithms.md §3) and best-vs-worst pairs for online DPO (§5), on the
 already-gathered global batch.
 
 The caller all-gathers rewards and prompt ids across ranks first (a prompt group may span ranks),
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from fastvideo.options import opt
 
 DANCE_GRPO_EPS = 1e-8  # DanceGRPO: (r - mean) / (unbiased group std + 1e-8)
 FLOW_GRPO_EPS = 1e-4  # Flow-GRPO: (r - mean) / (population std + 1e-4); our default in both modes
@@ -105,7 +107,7 @@ class Pairs:
 
 def best_worst_pairs(rewards: torch.Tensor, num_generations: int, min_gap: float = 0.0) -> Pairs:
     """Pair the highest- with the lowest-reward sample of each group of the global batch ``rewards`` (P*G,), in
-    [p0 g0..gG-1, p1 ...] order (REFERENCE §5). A pair is kept when its gap is > 0 and >= ``min_gap`` (equal
+    [p0 g0..gG-1, p1 ...] order (docs/algorithms.md §5). A pair is kept when its gap is > 0 and >= ``min_gap`` (equal
     rewards carry no preference). Ties go to the first sample of the group. Non-finite rewards (dropped samples) are
     never picked; a group with fewer than two finite rewards keeps no pair."""
     G = int(num_generations)
@@ -229,3 +231,26 @@ def share_samples(selected: torch.Tensor, rank: int, world_size: int, *, owners:
             idx = torch.cat([mine, pad.expand(m - len(mine))]) if len(mine) < m else mine
         out.append((idx, real.float() * (world_size / n)))
     return out
+
+
+@dataclass
+class GroupOptions:
+    num_generations: int = opt(12, "samples per prompt (group size G)")
+    prompts_per_step: int = opt(2, "prompts per training step over all ranks (P); samples per step = P*G")
+
+
+@dataclass
+class AdvantageOptions:
+    adv_clip_max: float = opt(5.0, "advantages (in reward-std units) are clamped to [-adv_clip_max, adv_clip_max]")
+    global_std: bool = opt(False, "normalise advantages by the whole batch's reward std (Flow-GRPO) "
+                                  "instead of each group's (DanceGRPO)")
+    adv_eps: float = opt(1e-4, "added to the reward std before dividing (Flow-GRPO 1e-4); DanceGRPO's 1e-8 turns "
+                               "near-constant groups into +-adv_clip_max noise (pass it only to reproduce DanceGRPO)")
+    group_std: str = opt("unbiased", "the group std of per-group normalisation (--no-global_std): unbiased (n - 1: "
+                                     "DanceGRPO, torch.std) | population (n: Flow-GRPO's and DiffusionNFT's per-prompt "
+                                     "stat_tracking.py, np.std; the NFT default)", choices=GROUP_STD_MODES)
+    shuffle_micro_batches: bool = opt(
+        False, "shuffle the step's samples before cutting them into optimizer steps and micro-batches (Flow-GRPO, "
+        "DiffusionNFT): a permutation of the gathered batch keyed by (seed, step), the same for every world size; "
+        "each rank trains its own samples in that order, padded at loss weight 0 to the longest rank's count (GRPO, "
+        "DiffusionNFT and AWM)")

@@ -1,4 +1,4 @@
-"""Atomic, sharded save/resume of the whole training state, and a sharded EMA of the trainable weights.
+"""Atomic, sharded save/resume of the whole training state (the EMA and other shadows: ``ema.py``).
 
 Layout of one checkpoint (``output_dir/checkpoints/step-N``):
 
@@ -40,16 +40,16 @@ import re
 import shutil
 import uuid
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from fastvideo import distributed
-from fastvideo.parallel import named_trainable_parameters, reshard
+from fastvideo.ema import EMA, local_shard
+from fastvideo.parallel import named_trainable_parameters
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 FORMAT_VERSION = 2  # 2: trainer state as JSON + safetensors, files/algorithm/fingerprint in meta.json; 1 still loads
@@ -188,7 +188,7 @@ def _local_bytes(tree: Any) -> int:
     if hasattr(tree, "local_shards"):  # FSDP1's ShardedTensor
         return sum(_local_bytes(shard.tensor) for shard in tree.local_shards())
     if isinstance(tree, torch.Tensor):
-        local = _local(tree)
+        local = local_shard(tree)
         return local.numel() * local.element_size()
     if isinstance(tree, dict):
         return sum(_local_bytes(v) for v in tree.values())
@@ -310,7 +310,7 @@ def save_checkpoint(
     fill_unstepped_adam_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     averages = _averages(ema, shadows)
-    trainable = sum(_local_bytes(_local(p)) for _, p in named_trainable_parameters(model))
+    trainable = sum(_local_bytes(local_shard(p)) for _, p in named_trainable_parameters(model))
     local = _local_bytes(model_sd) + _local_bytes(optim_sd) + len(averages) * trainable
     needed = int(sum(distributed.all_gather_object(local)) * _SPACE_MARGIN) + (1 << 20)  # (no float64 collective)
     tmp = ckpt_dir.parent / distributed.broadcast_object(f"{ckpt_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -632,114 +632,3 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (an alias, under no_grad), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-class EMA:
-    """Exponential moving average of the trainable parameters, kept sharded like the model.
-
-    Holds a copy of this rank's shards of the trainable parameters (FSDP2 DTensor shards, FSDP1 flat-param
-    views, or whole tensors for a plain module) — no gather, ever, during training. Create it after
-    ``shard_model`` (and after loading the initial weights); call ``update()`` after each ``optimizer.step()``.
-
-        ema = EMA(model, decay=0.995)       # warm-up: the decay of update t is min(0.995, (1 + t) / (10 + t))
-        ...optimizer.step(); ema.update()
-        with ema.swap_into(model):        # evaluate / export the EMA weights
-            sd = full_state_dict(model)
-
-    ``state_dict()`` / ``load_state_dict()`` hold local shards, so they round-trip only with the same sharding;
-    ``save_checkpoint(..., ema=ema)`` stores the EMA resharding-safely (DCP) and is what trainers use.
-    """
-
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = True,
-                 shadow: list[torch.Tensor] | None = None) -> None:
-        """``shadow``: tensors, one per trainable parameter's local shard, to hold the average in place of fresh
-        clones (aliases of another sharded copy, e.g. DiffusionNFT's old policy); default: clones of the shards."""
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"--ema_decay must be in [0, 1), got {decay}")
-        named = named_trainable_parameters(model)
-        if not named:
-            raise ValueError("EMA: the model has no trainable parameters")
-        self.decay = float(decay)
-        self.warmup = bool(warmup)
-        self.names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        reshard(model)
-        with torch.no_grad():
-            self.shadow = [_local(p).detach().clone() for p in self._params] if shadow is None else list(shadow)
-        self.num_updates = 0
-        self._locals()  # the shadow must match the local shards (checks the shapes)
-
-    def _locals(self) -> list[torch.Tensor]:
-        locals_ = [_local(p).detach() for p in self._params]
-        for name, loc, sh in zip(self.names, locals_, self.shadow):
-            if loc.shape != sh.shape:
-                raise RuntimeError(f"EMA: parameter {name} is not in its sharded state ({tuple(loc.shape)} vs "
-                                   f"{tuple(sh.shape)}); call update()/swap_into() after optimizer.step(), not "
-                                   "between forward and backward")
-        return locals_
-
-    def current_decay(self) -> float:
-        """The decay the next ``update()`` uses: with warm-up ``min(decay, (1 + t) / (10 + t))`` for the t-th update
-        (t = 0, 1, ...; Flow-GRPO's and diffusers' EMAModel schedule), so early updates follow the trained weights
-        instead of keeping ~decay^t of the base; without warm-up the constant ``decay``."""
-        t = self.num_updates
-        return min(self.decay, (1 + t) / (10 + t)) if self.warmup else self.decay
-
-    @torch.no_grad()
-    def update(self, decay: float | None = None) -> None:
-        """``shadow = d * shadow + (1 - d) * param`` for every local shard (one fused foreach op), with
-        ``d = current_decay()`` unless ``decay`` is given."""
-        d = self.current_decay() if decay is None else float(decay)
-        torch._foreach_lerp_(self.shadow, self._locals(), 1.0 - d)
-        self.num_updates += 1
-
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Set the EMA to the model's current trainable weights."""
-        torch._foreach_copy_(self.shadow, self._locals())
-
-    @contextmanager
-    def swap_into(self, model: nn.Module) -> Iterator[nn.Module]:
-        """Temporarily load the EMA weights into ``model`` (the model the EMA was built on); restored on exit."""
-        reshard(model)
-        ids = {id(p) for _, p in named_trainable_parameters(model)}
-        if any(id(p) not in ids for p in self._params):
-            raise ValueError("EMA.swap_into: this EMA was built on a different model (or before shard_model)")
-        with torch.no_grad():
-            locals_ = self._locals()
-            backup = [t.clone() for t in locals_]
-            torch._foreach_copy_(locals_, self.shadow)
-        try:
-            yield model
-        finally:
-            reshard(model)
-            with torch.no_grad():
-                torch._foreach_copy_(self._locals(), backup)
-
-    def counters(self) -> dict:
-        """The EMA's scalars (decay, number of updates), stored by save_checkpoint next to the DCP weights."""
-        return {"decay": self.decay, "num_updates": self.num_updates}
-
-    def load_counters(self, counters: dict | None) -> None:
-        """Restore ``counters()`` (the decay stays the one this EMA was built with)."""
-        if counters:
-            self.num_updates = int(counters["num_updates"])
-
-    def state_dict(self) -> dict:
-        """``{"decay", "num_updates", "shadow": {name: local shard}}`` (valid for the same sharding only)."""
-        return {**self.counters(), "shadow": dict(zip(self.names, self.shadow))}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of ``state_dict`` (same model, same sharding)."""
-        missing = set(self.names) - set(state["shadow"])
-        if missing:
-            raise ValueError(f"EMA state is missing {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-        for name, sh in zip(self.names, self.shadow):
-            sh.copy_(_local(state["shadow"][name]))
-        self.load_counters(state)

@@ -248,3 +248,10 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "npu":
         return str(torch.npu.get_device_name(device))
     return f"{platform.processor() or platform.machine()} CPU"
+
+
+def compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype for model calls: bf16, or None for fp32 ('auto' = bf16 on GPU/NPU, fp32 on CPU)."""
+    if mixed_precision == "auto":
+        mixed_precision = "fp32" if device.type == "cpu" else "bf16"
+    return torch.bfloat16 if mixed_precision == "bf16" else None

@@ -1,7 +1,7 @@
 """Input errors a user can act on: one line on stderr (``PROG: error: ...`` naming the fix) and exit status 2, as
 argparse reports a bad flag, instead of a traceback.
 
-A check raises ``ValueError`` / ``FileNotFoundError`` naming the flag and the fix (DESIGN: errors for users). Raised
+A check raises ``ValueError`` / ``FileNotFoundError`` naming the flag and the fix (docs/design.md principle 5). Raised
 while a script is still checking its inputs (``checking()``, which ends when the first model loads:
 ``inputs_checked()``), such an error is the user's and becomes a ``UsageError``; raised later it is a failure of the
 run and keeps its traceback. ``exit_on_usage_error`` turns a ``UsageError`` into the one line and exit status 2

@@ -1,20 +1,29 @@
 """Fixed-noise ODE sampling of a prompt set and reward statistics: shared by the trainers' held-out evaluation
 (``training.Run.evaluate``) and ``sample.py``.
 
-An image is keyed by (prompt id, sample index) like every other draw (DESIGN principle 4): its initial noise is
+An image is keyed by (prompt id, sample index) like every other draw (docs/design.md principle 4): its initial noise is
 ``NoiseSource(seed).randn(..., step=0, prompt_id=p, sample_index=k, purpose="init")``, so the same seed gives the same
 images whatever the ranks, batch size or model (base vs tuned: same noise, the picture people compare).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastvideo import models, weights
+from fastvideo.data import MANIFEST_NAME, atomic_write_text, is_manifest, open_prompt_store, write_prompt_store
+from fastvideo.options import need, opt
+from fastvideo.record import read_jsonl
+from fastvideo.rewards import check_url_reward_flags, parse_eval_reward_spec, parse_reward_spec
+from fastvideo.rollout import RolloutConfig, rollout
 
 # two-sided 95% Student-t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -24,8 +33,6 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 def check_prompts_path(flag: str, path: str | os.PathLike | None) -> None:
     """A prompt source flag names an embedding manifest (or its folder) or a prompt file that exists
     (FileNotFoundError naming the fix); checked before anything loads."""
-    from fastvideo.data import MANIFEST_NAME, is_manifest
-
     if path is None:
         return
     path = Path(path)
@@ -45,8 +52,6 @@ def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, w
     into ``work_dir`` with ``model_path``'s text encoders (loaded, then freed, before any other model; a restart keeps
     the finished shards; ``negative_prompt``: also encode it, for --cfg_scale > 1). A collective: every rank calls
     it."""
-    from fastvideo.data import MANIFEST_NAME, is_manifest, open_prompt_store, write_prompt_store
-
     if is_manifest(prompts):
         return Path(prompts)
     writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype,
@@ -74,8 +79,6 @@ def ode_images(model: torch.nn.Module, vae: torch.nn.Module, dataset: Any, promp
     ``cfg`` (a ``rollout.RolloutConfig``; its noise settings are overridden) from ``noise``'s step-0 initial noise; the
     model runs in eval mode (restored after)."""
     import dataclasses
-
-    from fastvideo.rollout import rollout
 
     cfg = dataclasses.replace(cfg, eta=0.0, solver="euler", sde_window_size=0, init_same_noise=False)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dataset.get_batch(prompt_ids).items()}
@@ -157,8 +160,6 @@ def ode_config(*, height: int, width: int, steps: int, shift: float | None, guid
     """The ``rollout.RolloutConfig`` of the stock pipeline's sampling: Euler ODE, ``steps`` steps, the family's sigma
     schedule unless ``shift``, distilled ``guidance``, true CFG ``cfg_scale``; ``batch_size`` images per transformer
     call, ``decode_batch_size`` latents per VAE call (0 = ``batch_size``)."""
-    from fastvideo.rollout import RolloutConfig
-
     return RolloutConfig(height=height, width=width, sampling_steps=steps, sde_type="flow_sde", eta=0.0, shift=shift,
                          guidance=guidance, batch_size=batch_size, decode_batch_size=decode_batch_size,
                          cfg_scale=cfg_scale)
@@ -171,7 +172,6 @@ def read_sample_dir(path: str | os.PathLike) -> dict[str, Any]:
     if not (path / "index.jsonl").is_file() or not (path / "config.json").is_file():
         raise FileNotFoundError(f"--compare {path}: no index.jsonl and config.json there; pass the --output_dir of a "
                                 "finished sample.py run (e.g. of the base model, with the same --prompts and --seed)")
-    from fastvideo.record import read_jsonl
 
     return {"config": json.loads((path / "config.json").read_text()), "rows": read_jsonl(path / "index.jsonl")}
 
@@ -191,8 +191,6 @@ def check_compare_prompts(base: dict[str, Any], prompts: list[str], where: str) 
 def write_sample_index(out: Path, rows: list[dict], seconds: float) -> dict[str, Any]:
     """OUT/index.jsonl (one row per image, in (prompt, image) order) and OUT/summary.json (counts, time and
     ``summarize`` of every reward); returns the summary."""
-    from fastvideo.data import atomic_write_text
-
     reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path")]
     ids = torch.tensor([r["prompt_id"] for r in rows])
     summary = {"num_images": len(rows), "num_prompts": len({r["prompt_id"] for r in rows}),
@@ -276,3 +274,145 @@ def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Pa
     path = out / "compare.png"
     canvas.save(path)
     return path
+
+
+@dataclass
+class EvalOptions:
+    eval_prompts: str | None = opt(
+        None, "held-out evaluation prompts: a prompt file (one per line; encoded once into OUTPUT_DIR/eval_embeddings "
+        "with the model's text encoders, before the policy loads) or an embeddings manifest with the training "
+        "data's --max_sequence_length. Each prompt is sampled --eval_num_images times with the deterministic Euler "
+        "sampler at --sampling_steps from fixed noise (the same at every evaluation), scored with --reward and "
+        "logged as eval/reward_* before step 1 (the baseline), every --eval_every steps and at the last step; "
+        "OUTPUT_DIR/samples/eval-step-N.png shows up to 16 of them (off if unset)")
+    eval_every: int = opt(0, "evaluate every N training steps (0 = only before step 1 and after the last step)")
+    eval_max_prompts: int = opt(0, "evaluate the first N prompts of --eval_prompts (0 = all)")
+    eval_num_images: int = opt(1, "images per evaluation prompt, each with its own fixed noise (sample index k)")
+
+
+@dataclass
+class SampleOptions:
+    run_dir: str | None = opt(
+        None, "a training run's folder OUT (its --output_dir): sample its OUT/final export (LoRA or full fine-tune, "
+        "detected) with the run's base model, --h/--w, sampler (--sampling_steps, --shift, --guidance_scale, "
+        "--noise_device), text length, --eval_prompts (first --eval_max_prompts, --eval_num_images each), --reward "
+        "and its paths, --device and --mixed_precision, into OUT/sampled/final; flags given here win (not "
+        "--lora_path/--transformer_path). Named --run_dir, not --run: torchrun refuses --run (its --run_path)")
+    base: bool = opt(False, "with --run_dir: sample the run's base model with the run's settings (into "
+                            "OUT/sampled/base), for --compare")
+    pretrained_model_name_or_path: str | None = opt(
+        None, "local diffusers model folder (text encoders, VAE, and the transformer unless --transformer_path); "
+        "required unless --run_dir")
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
+                                    "qwen-image | flux2 | "
+                                    "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
+    lora_path: str | None = opt(None, "LoRA folder applied to the base transformer: a trainer's OUTPUT_DIR/final "
+                                      "(--lora_rank > 0) or any folder FluxPipeline.load_lora_weights loads")
+    transformer_path: str | None = opt(None, "full transformer folder used instead of the base one: a trainer's "
+                                             "OUTPUT_DIR/final of a full fine-tune")
+    prompts: str | None = opt(None, "a prompt file (one per line; encoded into OUTPUT_DIR/embeddings) or an "
+                                    "embeddings manifest written by preprocess_embeddings.py; required unless "
+                                    "--run_dir had --eval_prompts")
+    output_dir: str = opt("outputs/samples", "folder for images/, index.jsonl, summary.json, config.json and "
+                                             "compare.png; must not hold another sampling (with --run_dir: "
+                                             "OUT/sampled/final, or OUT/sampled/base with --base)")
+    num_inference_steps: int | None = opt(None, "Euler ODE steps (default: the family's pipeline default; FLUX.1: 28)")
+    guidance_scale: float | None = opt(None, "distilled guidance value fed to models with a guidance embedding "
+                                             "(default: the family's; FLUX.1-dev: 3.5; ignored by models without it)")
+    cfg_scale: float | None = opt(None, "true classifier-free guidance scale, 1 = off (default: the family's pipeline "
+                                        "default; FLUX.1: 1, it uses --guidance_scale)")
+    negative_prompt: str | None = opt(None, "the negative prompt of --cfg_scale > 1 when --prompts is a prompt file "
+                                            "(default: the family's; a manifest brings its own)")
+    h: int | None = opt(None, "image height in pixels (default: the family's pipeline default; FLUX.1: 1024)")
+    w: int | None = opt(None, "image width in pixels (default: the family's pipeline default; FLUX.1: 1024)")
+    shift: float | None = opt(None, "static sigma shift; unset = the family pipeline's schedule (FLUX.1: dynamic "
+                                    "shift, as FluxPipeline)")
+    seed: int = opt(42, "image k of prompt p starts from the noise keyed (seed, p, k): same seed, same images")
+    num_images_per_prompt: int = opt(1, "images per prompt (sample indices 0..N-1)")
+    max_prompts: int = opt(0, "sample the first N prompts (0 = all)")
+    batch_size: int = opt(4, "images per transformer call (per rank)")
+    compare: str | None = opt(None, "BASE_DIR: the --output_dir of an earlier sample.py run (e.g. the base model) "
+                                    "with the same prompts, --seed, steps, guidance and size: writes "
+                                    "OUTPUT_DIR/compare.png, base | this model side by side on the same noise")
+    compare_max_prompts: int = opt(8, "prompts (rows) in the --compare grid")
+    device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
+    mixed_precision: str = opt("auto", "transformer dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
+                               choices=("auto", "bf16", "fp32"))
+    noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")
+    max_sequence_length: int | None = opt(None, "text tokens per prompt when --prompts is a prompt file (default: the "
+                                                "family's; FLUX.1: 512 T5 tokens)")
+    embedding_dtype: str = opt("fp32", "text-encoder dtype when --prompts is a prompt file", choices=("fp32", "bf16"))
+
+
+# sample.py flags that must equal the --compare folder's (the same noise and sampler, or the grid compares nothing)
+COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h", "w", "shift", "noise_device")
+
+
+def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
+    """sample.py's unset sampler flags (None) from the model family's pipeline defaults (``SamplerDefaults``)."""
+    d = family.sampler_defaults(args.pretrained_model_name_or_path)
+    for flag, value in (("num_inference_steps", d.steps), ("h", d.height), ("w", d.width),
+                        ("max_sequence_length", d.max_sequence_length), ("cfg_scale", d.cfg_scale),
+                        ("guidance_scale", d.guidance if d.guidance is not None else 1.0)):
+        if getattr(args, flag, None) is None:
+            setattr(args, flag, value)
+    if getattr(args, "negative_prompt", None) is None and args.cfg_scale > 1:
+        args.negative_prompt = d.negative_prompt
+
+
+def validate_sample(args: argparse.Namespace) -> dict | None:
+    """sample.py's flags, paths and output folder, before anything loads (ValueError / FileNotFoundError naming the
+    fix); returns the --compare folder (``evaluation.read_sample_dir``) or None."""
+    need(getattr(args, "run_dir", None) is not None or not getattr(args, "base", False),
+         "--base samples a training run's base model: pass --run_dir OUT too (without --run_dir, leave out "
+         "--lora_path and --transformer_path to sample a base model)")
+    need(args.pretrained_model_name_or_path is not None,
+         "--pretrained_model_name_or_path is required (a local diffusers model folder), or --run_dir OUT (a training "
+         "run)")
+    model = Path(args.pretrained_model_name_or_path)
+    if not (model / "model_index.json").is_file():
+        raise FileNotFoundError(f"--pretrained_model_name_or_path {model}: no model_index.json there; point it at a "
+                                "local diffusers model folder")
+    family = models.family_for(args)
+    fill_family_defaults(args, family)
+    need(args.prompts is not None, "--prompts is required: a prompt file (one per line) or an embeddings manifest")
+    check_prompts_path("--prompts", args.prompts)
+    need(args.lora_path is None or args.transformer_path is None,
+         "--lora_path and --transformer_path exclude each other: a LoRA adapts the base transformer, "
+         "--transformer_path replaces it; pass one")
+    if args.lora_path is not None and not any(Path(args.lora_path).glob("*.safetensors")):
+        raise FileNotFoundError(f"--lora_path {args.lora_path}: no .safetensors LoRA there; pass a trainer's "
+                                "OUTPUT_DIR/final written with --lora_rank > 0")
+    transformer = Path(args.transformer_path or family.transformer_folder(model))
+    if not (transformer / "config.json").is_file():
+        raise FileNotFoundError(f"--transformer_path {transformer}: no config.json there; pass a trainer's "
+                                "OUTPUT_DIR/final written by a full fine-tune (--lora_rank 0)")
+    for folder in (transformer, model / "vae"):
+        weights.check_weight_files(folder)
+    for flag in ("num_inference_steps", "num_images_per_prompt", "batch_size", "compare_max_prompts"):
+        need(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    need(args.max_prompts >= 0, f"--max_prompts must be >= 0 (0 = all), got {args.max_prompts}")
+    limit = family.max_sequence_length_limit()
+    need(1 <= args.max_sequence_length <= limit, f"--max_sequence_length must be in [1, {limit}], got "
+                                                  f"{args.max_sequence_length}")
+    need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    need(args.cfg_scale >= 1, f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {args.cfg_scale}")
+    family.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
+    if args.reward:
+        parse_reward_spec(args.reward)
+    parse_eval_reward_spec(args.eval_reward, args.reward)
+    check_url_reward_flags(args)
+    out = Path(args.output_dir)
+    if (out / "index.jsonl").exists():
+        raise ValueError(f"--output_dir {out} already holds a sampling (index.jsonl); choose a new --output_dir (or "
+                         "delete that one)")
+    if args.compare is None:
+        return None
+    base = read_sample_dir(args.compare)
+    diffs = {k: (base["config"].get(k), getattr(args, k)) for k in COMPARE_KEYS
+             if base["config"].get(k) != getattr(args, k)}
+    need(not diffs, f"--compare {args.compare} was sampled with other settings ("
+                     + "; ".join(f"--{k} {a!r} there vs {b!r} here" for k, (a, b) in diffs.items())
+                     + "): pass the same values, so that both sides start from the same noise")
+    need(Path(args.compare).resolve() != out.resolve(), "--compare must name another sample.py --output_dir")
+    return base

@@ -1,13 +1,13 @@
-"""FLOPs of the FLUX transformer and the device's measured matmul peak: what MFU (achieved ÷ peak FLOP/s) needs.
+"""Model FLOPs and the device's measured matmul peak: what MFU (achieved ÷ peak FLOP/s) needs.
 
-``transformer_flops`` is a closed formula over a ``FluxTransformer2DModel`` config (matmuls and attention, as
-``torch.utils.flop_counter`` counts them: 2 FLOPs per multiply-add); ``counted_flops`` runs a function under
-``FlopCounterMode`` with this CPU's flash-attention kernels added (torch does not count them), so the formula is
-checked against the counter (tests/test_performance.py). Model FLOPs exclude the recomputation gradient
-checkpointing adds.
+Each family adapter has a closed formula for its transformer (``ModelFamily.transformer_flops``: matmuls and
+attention, as ``torch.utils.flop_counter`` counts them, 2 FLOPs per multiply-add); ``counted_flops`` runs a function
+under ``FlopCounterMode`` with this CPU's flash-attention kernels added (torch does not count them), so each formula is
+checked against the counter (tests/test_performance.py, tests/test_family_*.py). Model FLOPs exclude the recomputation
+gradient checkpointing adds.
 
-In training, ``FlopMeter`` counts every forward of the transformers it is attached to by that formula (cached per
-shape) into the phase ``phase()`` names ("rollout" inside ``rollout.rollout``, else "train"), and ``resolve_peak``
+In training, ``FlopMeter`` counts every forward of the transformers it is attached to by their family's formula (cached
+per shape) into the phase ``phase()`` names ("rollout" inside ``rollout.rollout``, else "train"), and ``resolve_peak``
 picks the peak the logged ``mfu`` divides by (--peak_tflops, a datasheet value by device name, or measured).
 """
 from __future__ import annotations
@@ -20,40 +20,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-
-def _cfg(config: Any, key: str, default: Any = None) -> Any:
-    return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
-
-
-def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: int = 1, *,
-                      backward: bool = False, weight_grads: bool = True) -> int:
-    """FLOPs of one FLUX transformer forward (``backward``: forward + backward = 3x, input and weight gradients) on
-    ``batch`` samples of ``image_tokens`` packed image tokens and ``text_tokens`` T5 tokens. ``weight_grads=False``
-    (LoRA: frozen base weights) counts the backward's input gradients only: the matmuls once more, attention twice.
-
-    Per sample, with width D, N = L + T tokens: each double block 24·N·D² (img and txt q/k/v/out and 4x MLPs)
-    + 4·N²·D (QKᵀ and AV) + 24·D² (two adaLN D->6D), each single block 24·N·D² + 4·N²·D + 6·D², plus the
-    embedders (x, context, timestep/guidance/pooled MLPs) and the output adaLN and projection.
-    """
-    D = _cfg(config, "num_attention_heads") * _cfg(config, "attention_head_dim")
-    L, T = int(image_tokens), int(text_tokens)
-    N = L + T
-    in_ch = _cfg(config, "in_channels", 64)
-    out_ch = (_cfg(config, "out_channels") or in_ch) * _cfg(config, "patch_size", 1) ** 2
-    joint, pooled = _cfg(config, "joint_attention_dim"), _cfg(config, "pooled_projection_dim")
-    embedders = 2 * L * in_ch * D + 2 * T * joint * D
-    embedders += 2 * (256 * D + D * D) * (2 if _cfg(config, "guidance_embeds", False) else 1)  # timestep (+ guidance)
-    embedders += 2 * (pooled * D + D * D)  # pooled text
-    double = _cfg(config, "num_layers") * (24 * N * D * D + 4 * N * N * D + 24 * D * D)
-    single = _cfg(config, "num_single_layers") * (24 * N * D * D + 4 * N * N * D + 6 * D * D)
-    output = 2 * D * 2 * D + 2 * L * D * out_ch
-    forward = batch * (embedders + double + single + output)
-    if not backward:
-        return forward
-    if weight_grads:
-        return 3 * forward
-    attention = batch * (_cfg(config, "num_layers") + _cfg(config, "num_single_layers")) * 4 * N * N * D
-    return 2 * forward + attention
+from fastvideo import devices, models
+from fastvideo.models.base import model_config, unwrap_model
 
 
 def _cpu_flash_mapping() -> dict:
@@ -85,8 +53,6 @@ def peak_matmul_flops(device: torch.device | str, dtype: torch.dtype, size: int 
     """Sustained FLOP/s of a large ``torch.mm`` (size² @ size²: 2048 on a CPU, 8192 on an accelerator) in ``dtype``
     on ``device``, repeated for ``seconds``: the hardware limit MFU divides by. Run it on every rank at once (ranks
     sharing a host share its cores and memory, as they do during training) and sum the ranks' rates."""
-    from fastvideo import devices
-
     device = torch.device(device)
     n = size or (2048 if device.type == "cpu" else 8192)
     a = torch.randn(n, n, device=device).to(dtype)
@@ -134,9 +100,6 @@ class FlopMeter:
     def attach(self, model: Any) -> None:
         """Count ``model``'s forwards (a transformer of any model family, bare or wrapped: hooked on the inner module;
         its family's ``forward_tokens`` reads the shapes and ``transformer_flops`` counts them)."""
-        from fastvideo import models
-        from fastvideo.models.base import model_config, unwrap_model
-
         family = models.family_of(model)
         config = dict(model_config(model))
         inner = unwrap_model(model)
@@ -175,8 +138,6 @@ def resolve_peak(peak_tflops: float, device: torch.device | str, dtype: torch.dt
     """``(peak FLOP/s per device, where it came from)``: --peak_tflops if > 0; in a bf16 run on an accelerator the
     datasheet value of a known device name; else a measured large-matmul rate in ``dtype`` (half a second; call it on
     every rank at once, as ranks sharing a host share its cores)."""
-    from fastvideo import devices
-
     device = torch.device(device)
     if peak_tflops > 0:
         return peak_tflops * 1e12, "--peak_tflops"

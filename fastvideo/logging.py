@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from fastvideo import devices
+from fastvideo.options import opt
 
 
 def plain_value(value: Any) -> Any:
@@ -161,3 +163,19 @@ def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
+
+
+@dataclass
+class LoggingOptions:
+    sample_every: int = opt(50, "save a grid of rank 0's samples every N training steps (0 = never)")
+    log_to: tuple[str, ...] = opt(("jsonl",), "metric sinks: jsonl (always) tensorboard wandb", nargs="+",
+                            choices=("jsonl", "tensorboard", "wandb"))
+    wandb_project: str = opt("flux-grpo", "W&B project when --log_to wandb")
+    wandb_mode: str | None = opt(None, "W&B mode: online | offline (logs under OUTPUT_DIR/wandb; `wandb sync` "
+                                       "uploads them) | disabled (default: the WANDB_MODE variable, else online)",
+                                 choices=("online", "offline", "disabled"))
+    progress_bar: bool = opt(True, "show a tqdm progress bar on rank 0 (--no-progress_bar to hide)")
+    peak_tflops: float = opt(0.0, "peak dense TFLOP/s per device that the logged mfu divides by; bf16 datasheet "
+                                  "values: H100 SXM / H200 / H800 989, A100 / A800 312, Ascend 910B ~313 (by SKU). "
+                                  "0 = auto: that table by device name in a bf16 run, else a measured large-matmul "
+                                  "peak in the compute dtype (always on a CPU)", type=float)

@@ -22,15 +22,15 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from fastvideo import distributed
-from fastvideo.parallel import cast_floating_, full_state_dict, named_trainable_parameters, unwrap_model
+from fastvideo import distributed, models
+from fastvideo.parallel import cast_floating_, clean_name, full_state_dict, named_trainable_parameters, unwrap_model
+from fastvideo.seeding import generator
+from fastvideo.weights import fill_local_shards, stored_dtype
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
     """The model family's default ``--lora_target_modules`` (``ModelFamily.lora_target_modules``; FLUX.1: the diffusers
     DreamBooth-LoRA set)."""
-    from fastvideo import models
-
     return list(models.family_of(model).lora_target_modules)
 
 
@@ -41,9 +41,6 @@ def export_dtype(choice: str, model_path: str | Path, model_family: str = "auto"
     """``--export_dtype``: bf16 | fp16 | fp32, or auto = the dtype the base model's transformer safetensors store
     (bf16 for FLUX.1-dev: a 24 GB export instead of 48 GB in the fp32 master weights' dtype)."""
     if choice == "auto":
-        from fastvideo import models
-        from fastvideo.weights import stored_dtype
-
         return stored_dtype(models.resolve(model_family, model_path).transformer_folder(model_path))
     if choice not in EXPORT_DTYPES:
         raise ValueError(f"--export_dtype {choice!r} is not one of auto, {', '.join(EXPORT_DTYPES)}")
@@ -131,7 +128,6 @@ def add_lora(
         layer._active_adapter = active
     if init_seed is not None and not any(p.is_meta for p in transformer.parameters()):
         # the same values a meta-built, sharded model gets from fill_local_shards(initial_adapter_weights(...))
-        from fastvideo.weights import fill_local_shards
 
         fill_local_shards(transformer, initial_adapter_weights(transformer, init_seed, adapter_name))
     return transformer
@@ -146,8 +142,6 @@ def initial_adapter_weights(model: nn.Module, seed: int, adapter_name: str = "de
     Works on a meta-device model (shapes only): ``weights.fill_local_shards(model, initial_adapter_weights(...))``
     writes each rank's part after ``shard_model``.
     """
-    from fastvideo.parallel import clean_name
-
     makers: dict[str, Callable[[], torch.Tensor]] = {}
     marker = f".{adapter_name}."
     for raw_name, param in model.named_parameters():
@@ -166,8 +160,6 @@ def initial_adapter_weights(model: nn.Module, seed: int, adapter_name: str = "de
 
 
 def _uniform(shape: tuple[int, ...], bound: float, seed: int, name: str) -> torch.Tensor:
-    from fastvideo.seeding import generator
-
     return torch.empty(shape).uniform_(-bound, bound, generator=generator(seed, "lora_init", name))
 
 
@@ -272,8 +264,6 @@ def save_lora_for_diffusers(
     diffusers assumes alpha == rank). ``dtype`` casts the weights on export (``export_dtype``; default: as trained,
     fp32). Rank 0 writes ``pytorch_lora_weights.safetensors``; returns ``out_dir``.
     """
-    from fastvideo import models
-
     out_dir = Path(out_dir)
     if isinstance(state_dict_or_model, nn.Module):
         family = family or models.family_of(state_dict_or_model)
@@ -308,8 +298,6 @@ def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_nam
     """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any folder the family's pipeline
     ``load_lora_weights`` takes) to the transformer the way that pipeline's ``load_lora_weights`` does (alpha from its
     metadata); ValueError for LoRA weights of other components (prompts are encoded without them)."""
-    from fastvideo import models
-
     import inspect
 
     pipeline = models.family_of(model).pipeline_class()
@@ -344,8 +332,6 @@ def save_transformer_for_diffusers(
     (e.g. ``torch.bfloat16`` halves the size; ``export_dtype``), one tensor at a time on rank 0, so its host memory
     peaks at the gathered model plus one tensor. Rank 0 writes config.json + safetensors; returns ``out_dir``.
     """
-    from fastvideo import models
-
     out_dir = Path(out_dir)
     if isinstance(state_dict_or_model, nn.Module):
         family = family or models.family_of(state_dict_or_model)

@@ -1,10 +1,13 @@
-"""Training objectives as pure tensor functions returning ``(loss, metrics)`` (REFERENCE §4-6).
+"""Training objectives as pure tensor functions returning ``(loss, metrics)`` (docs/algorithms.md §4-6).
 
 ``loss`` is a 0-d float32 tensor carrying the graph. ``metrics`` maps names to **detached 0-d float32
 tensors** on the loss's device, so a caller can average them over micro-batches and all-reduce them
 across ranks before calling ``.item()`` once per step (no host sync inside the loop).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -58,33 +61,6 @@ def grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: to
     return loss, metrics
 
 
-# Policy-loss variants that need the SDE step's Gaussian: the trainer refuses other --sde_type values with the reason.
-POLICY_LOSSES = ("clip", "guard", "dppo")  # GRPO's --policy_loss: grpo_loss, grpo_guard_loss, flow_dppo_loss
-GUARD_SDE_TYPES = ("flow_sde", "dance_sde")
-DPPO_SDE_TYPES = ("flow_sde", "dance_sde", "cps")
-GUARD_SDE_REASONS = {
-    "cps": ("GRPO-Guard needs the full Gaussian log-density log p = mean(-(x'-mean)²/(2·std²)) - log std - ½log 2π of "
-            "a step whose std is s·sqrt(-dt); cps's log_prob drops the 1/(2·std²) factor, so the bias term does not "
-            "cancel the -‖Δmean‖² drift of the log-ratio, and its std (sigma'·sin(a·π/2)) is not s·sqrt(-dt), so the "
-            "1/(-dt) rescale has no meaning (both references run GRPO-Guard on the Flow-GRPO SDE only)"),
-}
-DPPO_SDE_REASONS: dict[str, str] = {}
-
-
-def policy_loss_sde_refusal(loss: str, sde_type: str) -> str | None:
-    """Why --policy_loss ``loss`` (``clip`` / ``guard`` / ``dppo``) cannot train with ``sde_type``, or None when it
-    can."""
-    table = {"clip": (None, {}), "guard": (GUARD_SDE_TYPES, GUARD_SDE_REASONS),
-             "dppo": (DPPO_SDE_TYPES, DPPO_SDE_REASONS)}
-    if loss not in table:
-        raise ValueError(f"unknown policy loss {loss!r}; choose one of {tuple(table)}")
-    supported, reasons = table[loss]
-    if supported is None or sde_type in supported:
-        return None
-    return (f"--policy_loss {loss} does not support --sde_type {sde_type} (supported: {', '.join(supported)}): "
-            + reasons.get(sde_type, "not a Gaussian SDE step with a known std"))
-
-
 def _step_inputs(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mean: torch.Tensor,
                  old_mean: torch.Tensor, std: torch.Tensor | float):
     """float32 ``(lp, old, adv, mean_dims((mean - old_mean)²) (B,), std (B,) or 0-d)``; only lp/mean keep graph."""
@@ -133,12 +109,13 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     (``Δ = mean - old_mean``): the second term biases every ratio below 1 (more so at small std), so PPO clips
     positive-advantage samples late and negative ones early. Adding ``b`` removes it and scaling by ``std`` leaves
     ``log ρ = mean_dims(ε·Δ)`` (unbiased, zero-mean under the rollout noise, comparable across steps); ``1/(-dt)``
-    evens the per-step gradient magnitude. Defined for ``GUARD_SDE_TYPES`` (flow_sde, dance_sde: a Gaussian step
-    with the full log-density and std ∝ sqrt(-dt)); not for cps (``GUARD_SDE_REASONS``). ``std`` must be > 0.
+    evens the per-step gradient magnitude. Defined for ``POLICY_LOSS_TABLE["guard"]``'s SDE types (flow_sde,
+    dance_sde: a Gaussian step with the full log-density and std ∝ sqrt(-dt)); not for cps (its ``refusals``).
+    ``std`` must be > 0.
 
     Inputs: ``log_prob``/``old_log_prob``/``advantages`` (B,); ``mean`` (B, ...) the current policy's step mean
     (carries the graph), ``old_mean`` (B, ...) the rollout policy's (detached); ``std``/``sqrt_neg_dt`` float, 0-d or
-    (B,). Advantages are used as given (clamp them upstream, REFERENCE §3; verl-omni clamps inside the loss).
+    (B,). Advantages are used as given (clamp them upstream, docs/algorithms.md §3; verl-omni clamps inside the loss).
     Recommended ``clip_range`` = 2e-6 (verl-omni docs/algo/grpo_guard.md and
     examples/grpoguard_trainer/qwen_image/run_qwen_image_ocr_lora.sh: ``clip_ratio=2e-6``), far below GRPO's 1e-4
     because ``log ρ`` is the log-ratio times ``std``.
@@ -188,10 +165,10 @@ def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     Why: the PPO ratio of one high-dimensional Gaussian step is a single noisy sample, a poor trust-region proxy;
     the flow model gives the step's divergence exactly, so the trust region is enforced on ``D`` itself.
 
-    Defined for ``DPPO_SDE_TYPES``: any Gaussian step with a known std shared by both policies (flow_sde,
-    dance_sde, and cps with its std ``sigma'·sin(a·π/2)``: cps's constant-dropped log_prob rescales the log-ratio by
-    ``2·std² > 0`` without changing its sign, so the mask is the same; UniRL normalises cps by its std the same way,
-    unirl/algorithms/base.py ``_transition_sigma``). The published runs used flow_sde. ``std`` must be > 0 (cps's
+    Defined for ``POLICY_LOSS_TABLE["dppo"]``'s SDE types: any Gaussian step with a known std shared by both
+    policies (flow_sde, dance_sde, and cps with its std ``sigma'·sin(a·π/2)``: cps's constant-dropped log_prob
+    rescales the log-ratio by ``2·std² > 0`` without changing its sign, so the mask is the same; UniRL normalises cps
+    by its std the same way, unirl/algorithms/base.py ``_transition_sigma``). The published runs used flow_sde. ``std`` must be > 0 (cps's
     last step, sigma' = 0, has std 0).
 
     Inputs as ``grpo_guard_loss``. ``threshold`` ε_D > 0: 1e-5 is both the reference default and the recommended
@@ -229,8 +206,70 @@ def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     return loss, metrics
 
 
+# ------------------------------------------------------------------------------------------- GRPO's policy losses
+@dataclass(frozen=True)
+class StepTerms:
+    """One replayed SDE step of a micro-batch, as GRPO's policy losses read it: the current and the rollout's
+    log-probabilities and step means, the step's std and sqrt(-dt), the advantages, and the real rows of a padded
+    micro-batch (``valid``; None: every row)."""
+
+    log_prob: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    mean: torch.Tensor | None = None
+    old_mean: torch.Tensor | None = None  # the rollout's step mean: kept only for a loss with ``needs_means``
+    std: torch.Tensor | float | None = None
+    sqrt_neg_dt: torch.Tensor | float | None = None
+    valid: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A --policy_loss: how it computes the loss of one step from ``StepTerms`` and its flags, whether the rollout must
+    keep each step's mean for it (``rollout(..., keep_means=True)``), the SDE types it is defined for (None: every
+    one; the reason for each refused one, else a generic one) and the metrics it logs besides loss / clipfrac."""
+
+    compute: Callable[[StepTerms, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    needs_means: bool = False
+    sde_types: tuple[str, ...] | None = None
+    refusals: dict[str, str] = field(default_factory=dict)
+    metrics: tuple[str, ...] = ()
+
+
+# GRPO's --policy_loss table; args: the trainer's flags (--clip_range, --dppo_threshold)
+POLICY_LOSS_TABLE: dict[str, PolicyLoss] = {
+    "clip": PolicyLoss(lambda t, args: grpo_loss(t.log_prob, t.old_log_prob, t.advantages, args.clip_range, t.valid)),
+    "guard": PolicyLoss(
+        lambda t, args: grpo_guard_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean, t.std,
+                                        t.sqrt_neg_dt, args.clip_range, t.valid),
+        needs_means=True, sde_types=("flow_sde", "dance_sde"), metrics=("guard_bias_mean",),
+        refusals={"cps": "GRPO-Guard needs the full Gaussian log-density log p = mean(-(x'-mean)²/(2·std²)) - log std "
+                         "- ½log 2π of a step whose std is s·sqrt(-dt); cps's log_prob drops the 1/(2·std²) factor, so "
+                         "the bias term does not cancel the -‖Δmean‖² drift of the log-ratio, and its std "
+                         "(sigma'·sin(a·π/2)) is not s·sqrt(-dt), so the 1/(-dt) rescale has no meaning (both "
+                         "references run GRPO-Guard on the Flow-GRPO SDE only)"}),
+    "dppo": PolicyLoss(
+        lambda t, args: flow_dppo_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean, t.std,
+                                       args.dppo_threshold, t.valid),
+        needs_means=True, sde_types=("flow_sde", "dance_sde", "cps"),
+        metrics=("dppo_divergence_mean", "dppo_masked_frac")),
+}
+POLICY_LOSSES = tuple(POLICY_LOSS_TABLE)  # clip: grpo_loss, guard: grpo_guard_loss, dppo: flow_dppo_loss
+
+
+def policy_loss_sde_refusal(loss: str, sde_type: str) -> str | None:
+    """Why --policy_loss ``loss`` cannot train with ``sde_type``, or None when it can."""
+    if loss not in POLICY_LOSS_TABLE:
+        raise ValueError(f"unknown policy loss {loss!r}; choose one of {POLICY_LOSSES}")
+    entry = POLICY_LOSS_TABLE[loss]
+    if entry.sde_types is None or sde_type in entry.sde_types:
+        return None
+    return (f"--policy_loss {loss} does not support --sde_type {sde_type} (supported: {', '.join(entry.sde_types)}): "
+            + entry.refusals.get(sde_type, "not a Gaussian SDE step with a known std"))
+
+
 def first_update_check(first_ratios: torch.Tensor, clip_range: float) -> tuple[dict[str, torch.Tensor], str | None]:
-    """On-policy check (REFERENCE §4): at the first update after a rollout the policy is the rollout policy, so every
+    """On-policy check (docs/algorithms.md §4): at the first update after a rollout the policy is the rollout one, so every
     ratio is 1 up to float noise. Returns the metrics ``ratio_first_update`` (mean), ``ratio_first_update_max_dev``
     (max |ratio - 1|) and ``clipfrac_first_update`` (share with |ratio - 1| > clip_range), and a warning when the
     deviation exceeds ``clip_range / 10`` or any sample is already clipped: a replay mismatch at the clip scale
@@ -341,7 +380,7 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: 
              t: torch.Tensor | float, advantages: torch.Tensor, *, beta: float = 1.0, adv_clip_max: float = 5.0,
              v_ref: torch.Tensor | None = None, kl_beta: float = 0.0, keep: torch.Tensor | None = None,
              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DiffusionNFT's forward-process objective (REFERENCE §6).
+    """DiffusionNFT's forward-process objective (docs/algorithms.md §6).
 
     ``v± `` mix the trainable ``v_theta`` with the old policy's ``v_old`` (detached) by ``beta``;
     ``x0± = x_t - t v±``; ``L± = mean_dims((x0± - x0)²) / w±`` with the stop-gradient adaptive weight

@@ -1,7 +1,7 @@
 """Per-rank memory plan of a training run, computed from the model folder's configs without reading weights.
 
 ``--dry_run`` prints it; every GPU/NPU run checks it against the device's memory before loading any model
-(``check_plan_fits``, via ``training.check_memory_plan``); the defaults chosen to fit are resolved here too
+(``check_plan_fits``, via ``launch.check_memory_plan``); the defaults chosen to fit are resolved here too
 (``resolve_gradient_checkpointing``, ``resolve_decode_batch_size``). Model states are counted in bytes from the
 transformer built on the meta device (with its LoRA adapters); activations are measured by running the real diffusers
 modules on the meta device under a dispatch mode that tracks the bytes of live tensors (saved-for-backward tensors,
@@ -23,6 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+
+from fastvideo import lora, models
+from fastvideo.data import EmbeddingDataset
+from fastvideo.devices import ACCELERATOR_TYPES, compute_dtype
+from fastvideo.losses import POLICY_LOSS_TABLE
+from fastvideo.options import opt
+from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
+from fastvideo.policy import nft_uses_old_policy
+from fastvideo.rewards import parse_eval_reward_spec, parse_reward_spec
 
 GiB = 2**30
 
@@ -182,8 +191,6 @@ def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_token
     traced with 2 blocks per list, then with one more in each list in turn, and extrapolated, which equals the full
     trace (``tests/test_memory.py``) at a tenth of its time for FLUX.1-dev's 19+38 blocks (the tracer costs ~0.2 ms
     per op)."""
-    from fastvideo import models
-
     names = models.family_of(model).block_lists
     lists = {name: getattr(model, name) for name in names}
     if any(len(blocks) <= 3 for blocks in lists.values()):
@@ -205,8 +212,6 @@ def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_token
 def _traced_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                              dtype: torch.dtype, *, train: bool) -> int:
     """``transformer_activation_bytes`` by tracing the whole model on the meta device."""
-    from fastvideo import models
-
     handles = []
     if train:
         for p in model.parameters():
@@ -263,8 +268,6 @@ def _param_count(model: torch.nn.Module, trainable_only: bool = False) -> int:
 
 def _vae_config(model_path: str | os.PathLike, model_family: str = "auto") -> dict:
     """The VAE's config.json of a model folder (no weights read)."""
-    from fastvideo import models
-
     folder = models.resolve(model_family, model_path).check_folder(model_path, ("vae",))
     return json.loads((folder / "vae" / "config.json").read_text())
 
@@ -274,8 +277,6 @@ DECODE_BUDGET_BYTES = 4 * GiB  # the auto --decode_batch_size keeps one VAE deco
 
 
 def _is_accelerator(device_type: str) -> bool:
-    from fastvideo.devices import ACCELERATOR_TYPES
-
     return device_type in ACCELERATOR_TYPES
 
 
@@ -293,8 +294,6 @@ def auto_decode_batch_size(model_path: str | os.PathLike, height: int, width: in
     """The largest number of latents (1 to ``max_batch``) one VAE decode call of ``height`` x ``width`` images in
     ``dtype`` takes with its planned peak (``vae_decode_bytes``) within ``budget``; at least 1 even when a single
     image exceeds it. The peak is linear in the batch: one trace at batch 1 gives the candidate, one more checks it."""
-    from fastvideo import models
-
     config = _vae_config(model_path, model_family)
     family = models.resolve(model_family, model_path)
     geometry = family.latent_geometry(model_path, height, width)
@@ -315,8 +314,6 @@ def resolve_decode_batch_size(args: argparse.Namespace, device_type: str) -> int
     0 (a whole rollout micro-batch per call). Idempotent: a resolved value resolves to itself."""
     if args.decode_batch_size or not _is_accelerator(device_type):
         return args.decode_batch_size
-    from fastvideo import models
-    from fastvideo.training import compute_dtype
 
     dtype = compute_dtype(args.mixed_precision, torch.device(device_type)) or torch.float32
     return auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w, dtype, args.rollout_batch_size,
@@ -358,8 +355,6 @@ def check_plan_fits(plan: MemoryPlan, device_type: str, device_memory_bytes: int
 def _text_tokens(args: argparse.Namespace, family: Any) -> int:
     """Text tokens per prompt the transformer sees: from the embeddings' ``max_sequence_length``, or the family's
     default when there are none yet (FLUX.1: 512 T5 tokens; SD3: 77 CLIP + T5)."""
-    from fastvideo.data import EmbeddingDataset
-
     length = family.defaults.max_sequence_length
     try:
         if args.data_json_path:
@@ -406,8 +401,6 @@ def plan_nft(args: argparse.Namespace, counts: dict[str, int], world_size: int, 
     each trained one where the run keeps one (``nft_uses_old_policy``: DiffusionNFT always, AWM only with
     --awm_off_policy or --old_kl_beta > 0), the reference forward with --kl_beta > 0, an ODE rollout of this rank's
     samples."""
-    from fastvideo.config import nft_uses_old_policy
-
     return _plan(args, world_size, device_type, micro_images=args.train_batch_size, reference=args.kl_beta > 0,
                  snapshot=False, samples=counts["samples_per_rank"], scored=True, old_policy=nft_uses_old_policy(args),
                  compare_checkpointing=compare_checkpointing)
@@ -425,10 +418,6 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     line; the start-up gate skips it, a second each at FLUX.1-dev's widths).
     With --cfg_scale > 1 every rollout forward runs 2x rows (prompt + negative), and the update's too when
     ``guided_update`` (GRPO replays the guided step; DPO's and NFT's losses are unguided)."""
-    from fastvideo import lora, models
-    from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
-    from fastvideo.training import compute_dtype
-
     amp = compute_dtype(args.mixed_precision, torch.device(device_type))
     cdt = amp or torch.float32
     c = torch.empty((), dtype=cdt).element_size()  # bytes per element in compute
@@ -449,14 +438,14 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     shard = _shard_size(args.fsdp_sharding_strategy, world)
     sharded = world > 1
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
-    sync = resolve_gradient_sync(getattr(args, "gradient_sync", "auto"), is_lora)
+    sync = resolve_gradient_sync(args.gradient_sync, is_lora)
     geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
     L, T, B, C = geometry.seq_len, _text_tokens(args, family), samples, geometry.packed_channels
     S = args.sampling_steps
     joint = model.config.joint_attention_dim
     pooled = getattr(model.config, "pooled_projection_dim", None) or 0
-    guided = 2 if getattr(args, "cfg_scale", 1.0) > 1 else 1  # true CFG: one forward of cond + uncond rows
-    sp = getattr(args, "sp_size", 1)
+    guided = 2 if args.cfg_scale > 1 else 1  # true CFG: one forward of cond + uncond rows
+    sp = args.sp_size
     Ls, Ts = L // sp, -(-T // sp)  # tokens per rank in the transformer: Ulysses splits both sequences (text padded)
     items: list[PlanItem] = []
 
@@ -534,7 +523,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     what = "clean latents B x L x C" if old_policy else "latents B x (S+1) x L x C"
     items.append(PlanItem(f"rollout buffers: {what}, images", buffers, sde_noise, "persistent",
                           f"B={B} S={S} L={L} C={C}" + ("; host: SDE noise" if sde_noise else "")))
-    if getattr(args, "policy_loss", "clip") != "clip":  # GRPO-Guard / Flow-DPPO compare with the rollout's means
+    if POLICY_LOSS_TABLE[getattr(args, "policy_loss", "clip")].needs_means:  # GRPO only (GRPO-Guard, Flow-DPPO)
         items.append(PlanItem("rollout SDE means (GRPO-Guard / Flow-DPPO)", 4 * B * S * L * C, phase="persistent",
                               note=f"B x S x L x C fp32, B={B}"))
     if sde_noise:  # the rollout copies one micro-batch's SDE noise to the device before its step loop
@@ -557,11 +546,10 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                                                                         geometry.latent_w, cdt, family=family,
                                                                         geometry=geometry),
                           phase="decode", note=f"{short}, no grad"))
-    from fastvideo.rewards import parse_eval_reward_spec, parse_reward_spec
 
     names = [name for name, _ in parse_reward_spec(args.reward)] if scored else []
-    if getattr(args, "eval_prompts", None) is not None:  # --eval_reward's models load with the evaluation
-        names += [name for name, _ in parse_eval_reward_spec(getattr(args, "eval_reward", None), args.reward)]
+    if args.eval_prompts is not None:  # --eval_reward's models load with the evaluation
+        names += [name for name, _ in parse_eval_reward_spec(args.eval_reward, args.reward)]
     for name in names:
         params = REWARD_PARAMS.get(name, 0)
         if params:
@@ -576,3 +564,20 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                  train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync, sp_size=sp,
                  gradient_checkpointing=used, cpu_offload=offload, rollout_batch_size=rb, decode_batch_size=db)
     return MemoryPlan(items, facts, errors + warnings_)
+
+
+@dataclass
+class PlanOptions:
+    dry_run: bool = opt(False, "validate the flags, print the batch arithmetic and a per-rank memory plan (from the "
+                               "model folder's configs, on the meta device: no weights are read), then exit")
+    dry_run_world_size: int | None = opt(None, "with --dry_run / --check_only: plan or check for this many ranks "
+                                               "(default: this job's)")
+    check_only: bool = opt(False, "check the flags and inputs (paths, batch arithmetic for --dry_run_world_size "
+                                  "ranks, the reward spec, the output folder and the checkpoint --resume_from "
+                                  "names), then exit: 0 "
+                                  "when they pass, 2 with one line naming the fix otherwise. The launchers run it "
+                                  "before starting torchrun")
+    dry_run_device_memory_gb: float = opt(80.0, "with --dry_run: memory per device (GiB) to check the plan against")
+    ignore_memory_plan: bool = opt(False, "start even when the per-rank memory plan (--dry_run's peak) exceeds the "
+                                          "device's memory: a warning instead of the error that a GPU/NPU run gets "
+                                          "before any model loads (not checked on the CPU)")

@@ -36,7 +36,7 @@ World size 1 (no process group, e.g. ``python train.py`` without torchrun) is no
 offload and FSDP's bf16 weights are FSDP features and do not apply: ``memory_flag_problems`` says so up front),
 and every helper here works on it.
 
-Loading at 12B (DESIGN principle 8): build the model on the meta device and pass it here; ``shard_model`` then
+Loading at 12B (docs/design.md principle 8): build the model on the meta device and pass it here; ``shard_model`` then
 materialises only this rank's shards (uninitialised; FSDP2 ``to_empty`` after sharding, FSDP1 one unit at a time
 through ``param_init_fn``) and ``weights.load_safetensors_into`` fills them, each rank reading only its own bytes.
 Host RAM per node stays ~1x the model instead of one fp32 copy per rank.
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -68,6 +69,7 @@ from torch import nn
 from fastvideo import devices, distributed
 from fastvideo.models.base import model_config as unwrap_config  # noqa: F401  (re-exported: config through wrappers)
 from fastvideo.models.base import unwrap_model
+from fastvideo.options import opt
 
 FSDP_VERSIONS = (1, 2)
 GRADIENT_SYNC_MODES = ("backward", "step")
@@ -526,3 +528,51 @@ def clean_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter
 def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(clean name, parameter)`` for every parameter with ``requires_grad`` (local shards under FSDP)."""
     return [(n, p) for n, p in clean_named_parameters(model) if p.requires_grad]
+
+
+@dataclass
+class ParallelOptions:
+    fsdp_version: int = opt(2, "FSDP implementation: 2 (fully_shard, default) or 1", choices=(2, 1), type=int)
+    fsdp_sharding_strategy: str = opt("full", "how FSDP shards the transformer",
+                                      choices=("full", "hybrid_full", "shard_grad_op", "no_shard"))
+    mixed_precision: str = opt("auto", "compute dtype: bf16 | fp32 | auto (bf16 on GPU/NPU, fp32 on CPU)",
+                               choices=("auto", "bf16", "fp32"))
+    use_cpu_offload: bool = opt(False, "offload FSDP parameters, gradients and optimizer state to the CPU (needs "
+                                       ">= 2 ranks; adds a gloo backend for CPU collectives)")
+    gradient_checkpointing: bool | None = opt(
+        None, "recompute transformer blocks in backward to save activation memory (~1/3 more update compute); unset = "
+        "auto: on for a full fine-tune (--lora_rank 0) on a GPU/NPU, off for LoRA and on the CPU; "
+        "--gradient_checkpointing / --no-gradient_checkpointing choose explicitly")
+    compile: bool = opt(False, "torch.compile every transformer block (fused kernels; the first rollout and update "
+                               "of each batch size compile, minutes at 12B). See docs/performance.md for when it pays")
+    gradient_sync: str = opt(
+        "auto", "when FSDP2 reduce-scatters gradients: backward = after every backward (each rank keeps only its "
+        "fp32 gradient shard, 4 B/param/world; more communication) | step = once per optimizer step (every rank "
+        "keeps unsharded fp32 gradients of all trainable params until then, 4 B/param: ~48 GB for a FLUX.1-dev full "
+        "fine-tune, so LoRA only) | auto = step for LoRA, backward for full fine-tuning",
+        choices=("auto", *GRADIENT_SYNC_MODES))
+    sp_size: int = opt(1, "Ulysses sequence parallelism: each group of N consecutive ranks shares its samples and "
+                          "splits their image and text tokens (attention heads / N per rank); FSDP still shards over "
+                          "all ranks. Must divide the ranks, the attention heads (FLUX.1-dev: 24) and the image "
+                          "tokens ((h/16) x (w/16)); text is padded to a multiple of N. See "
+                          "docs/sequence-parallel.md", type=int)
+    attention_backend: str = opt("auto", "diffusers attention kernel for every forward (rollout and replay alike): "
+                                         "auto (torch SDPA; the fused _native_npu kernel on an NPU in bf16) | native | "
+                                         "flash | _native_flash | _native_cudnn | _native_npu | sage | ... (any "
+                                         "diffusers AttentionBackendName); an unavailable one falls back to native "
+                                         "with one warning (always on a CPU job)")
+    dist_timeout_minutes: float = opt(30.0, "minutes a collective (NCCL/HCCL/gloo) may wait for a peer before the "
+                                            "job fails; waits on rank 0's file writes (export, checkpoint renames) "
+                                            "go through the TCP store and are not bound by it", type=float)
+
+
+# -------------------------------------------------------------------------------------------- model calls
+def text_length_refusal(text_tokens: int, sp_size: int) -> str:
+    """Why --sp_size ``sp_size`` cannot run ``text_tokens`` text tokens, and the fix: Ulysses splits the text sequence
+    evenly over the group, and padding it with zero embeddings would add tokens that attention reads (no mask), so the
+    trained function would differ from the base model's."""
+    fits = [d for d in (1, 2, 4, 8) if text_tokens % d == 0]
+    return (f"--sp_size {sp_size} does not divide the embeddings' {text_tokens} text tokens: Ulysses splits the text "
+            "evenly over the group, and padding it would add tokens that attention reads (the trained model would "
+            f"differ from the base model); preprocess with a --max_sequence_length that is a multiple of {sp_size} "
+            f"(e.g. {text_tokens - text_tokens % sp_size}), or use --sp_size {' / '.join(map(str, fits))}")

@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         prog="python -m fastvideo.preference",
         description="Write a demo Diffusion-DPO pair file: best vs worst of N ODE samples per prompt by a reward.")
-    parser.add_argument("--model_path", required=True, help="diffusers FLUX folder (or a fastvideo.tiny one)")
+    parser.add_argument("--model_path", required=True, help="diffusers model folder (or a fastvideo.tiny one)")
     parser.add_argument("--model_family", default="auto",
                         help="model family adapter: auto (from model_index.json) | flux1 | sd3 | qwen-image | flux2 | "
                              "package.module:Class")

@@ -14,8 +14,8 @@ A recording (``FORMAT`` 1), written by every rank for its own samples, so it doe
                                                trainer's per-update trace (``trace/<name>``)
     DIR/step-{N:06d}/images/p{id:06d}-s{index:03d}.png   decoded images, 8-bit
 
-Random draws are keyed exactly like ``seeding.NoiseSource`` keys them (DESIGN principle 4), so a recording made on 2
-ranks replays on 1, and a draw is looked up by what it is for, never by position.
+Random draws are keyed exactly like ``seeding.NoiseSource`` keys them (docs/design.md principle 4), so a recording made on
+2 ranks replays on 1, and a draw is looked up by what it is for, never by position.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import json
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,6 +33,7 @@ import torch
 from fastvideo import devices
 from fastvideo import distributed as D
 from fastvideo.logging import plain_value, truncate_jsonl
+from fastvideo.options import opt
 from fastvideo.seeding import NoiseSource
 
 FORMAT = 1
@@ -417,7 +419,7 @@ def open_alignment(args: argparse.Namespace, config: dict, dist: D.DistInfo, noi
                    ) -> tuple[NoiseSource, Recorder | None, Replay | None]:
     """Set up --record_dir / --replay_dir (checked first, on every rank, before any model loads): returns the noise
     source the run draws from (recording or replaying), the recorder and the replay (None when off).
-    ``fingerprint``: the run's config fingerprint (``training.run_identity``), kept in the manifest so that a resumed
+    ``fingerprint``: the run's config fingerprint (``resume.run_identity``), kept in the manifest so that a resumed
     or restarted run continues its own recording."""
     recorder = replay = None
     if args.replay_dir is not None:
@@ -444,3 +446,18 @@ def open_alignment(args: argparse.Namespace, config: dict, dist: D.DistInfo, noi
 __all__: list[str] = ["FORMAT", "REPLAY_KEYS", "Recorder", "RecordingNoise", "Replay", "ReplayNoise", "check_replay",
                       "check_record_dir", "environment", "image_name", "load_image", "open_alignment", "read_jsonl",
                       "save_png", "step_dir"]
+
+
+@dataclass
+class AlignmentOptions:
+    record_dir: str | None = opt(
+        None, "write what the run draws and computes, per step and rank, to this empty folder: every random draw by "
+        "key and old log-probs (safetensors), decoded images (PNG), per-sample rewards, per-update losses and grad "
+        "norms (JSONL), a manifest (versions, device, dtype, flags); for `python -m fastvideo.compare`. Draws take "
+        "~4*S*L*C bytes per sample and step (8 MB at 720x720, 16 steps)")
+    record_every: int = opt(1, "with --record_dir: record step 1 and every N-th step (a replay needs every step)")
+    replay_dir: str | None = opt(
+        None, "a --record_dir of another run (another device, dtype or code version): take its random draws instead of "
+        "drawing them; keys, shapes and counts are checked every step")
+    replay_images: bool = opt(False, "with --replay_dir: score the recorded images instead of this run's decoded ones "
+                                     "(isolates the reward stage; the images are the recording's 8-bit PNGs)")

@@ -1,8 +1,8 @@
 """Batched trajectory sampling with per-step log-probs, the SDE window, and training replay.
 
 ``rollout`` runs the sampler for a rank's samples in micro-batches of ``cfg.batch_size`` (one transformer
-call per micro-batch and step, never per sample) and records every latent. Randomness follows DESIGN
-principle 4, keyed by ``(step, prompt_id, sample_index, purpose)`` on the ``NoiseSource``:
+call per micro-batch and step, never per sample) and records every latent. Randomness follows
+docs/design.md principle 4, keyed by ``(step, prompt_id, sample_index, purpose)`` on the ``NoiseSource``:
 
 - ``"init"``: initial noise (L, C); with ``init_same_noise`` every sample of a group uses sample_index 0.
 - ``"sde"``: the SDE noise of all steps at once, (S, L, C), per sample.
@@ -18,13 +18,15 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 """
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from fastvideo import devices, flops, models
+from fastvideo.options import need, opt
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
@@ -112,6 +114,20 @@ class RolloutConfig:
         """True when no step is stochastic (eta == 0)."""
         return self.eta == 0
 
+    @classmethod
+    def from_args(cls, args: Any) -> "RolloutConfig":
+        """The batched sampler's settings from a trainer's parsed sampling flags (every trainer that samples); the
+        decode micro-batch is --decode_batch_size as ``launch.resolve_device_defaults`` resolved it (0 = one call per
+        rollout micro-batch, the CPU's auto). --solver is DiffusionNFT's flag alone (the others sample with Euler)."""
+        return cls(height=args.h, width=args.w, sampling_steps=args.sampling_steps, sde_type=args.sde_type,
+                   eta=args.eta, shift=args.shift, guidance=args.guidance_scale, cfg_scale=args.cfg_scale,
+                   sde_window_size=args.sde_window_size, sde_window_range=tuple(args.sde_window_range),
+                   sde_window_schedule=args.sde_window_schedule,
+                   sde_window_shift_interval=args.sde_window_shift_interval, sde_window_stride=args.sde_window_stride,
+                   init_same_noise=args.init_same_noise, decode_x0=args.decode_x0, batch_size=args.rollout_batch_size,
+                   decode_batch_size=args.decode_batch_size, last_step=args.last_step,
+                   solver=getattr(args, "solver", "euler"))
+
 
 @dataclass
 class Trajectory:
@@ -157,8 +173,8 @@ class Trajectory:
 
 
     def noise_scale(self, j: int | torch.Tensor, kl_form: str = "per_unit_time") -> torch.Tensor:
-        """KL noise scale ``s`` (REFERENCE §4; ``kl_form`` as ``schedulers.sde_noise_scale``) of step ``j`` (int -> 0-d,
-        (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
+        """KL noise scale ``s`` (docs/algorithms.md §4; ``kl_form`` as ``schedulers.sde_noise_scale``) of step ``j``
+        (int -> 0-d, (b,) LongTensor -> (b,)) for ``losses.kl_loss``."""
         j = _step_index(j, self.sigmas.device)
         return sde_noise_scale(self.sigmas[j], self.sigmas[j + 1], sde_type=self.sde_type, eta=self.eta,
                                sigma_max=self.sigma_max, kl_form=kl_form)
@@ -292,7 +308,7 @@ def rollout(transformer: torch.nn.Module, vae: torch.nn.Module, batch: dict, sam
                                       purpose="sde")  # (B, S, L, C)
 
     # Everything the step loop reads is on the device before it starts (pinned, non-blocking copies): the loop
-    # launches kernels only, with no host sync and no blocking copy (DESIGN principle 9).
+    # launches kernels only, with no host sync and no blocking copy (docs/design.md principle 9).
     sigmas_dev = devices.to_device(sigmas, device)  # (S+1,): sigma and sigma' of step i are sigmas_dev[i], [i+1]
     cond_all = batch_cond(family, batch, cfg.cfg_scale)  # (B, ...) each, where the batch lives
     shared = family.conditioning(geometry, cond_all, cfg.guidance, device)  # position ids, guidance: on the device
@@ -448,7 +464,7 @@ def noised_velocity(transformer: torch.nn.Module, x0: torch.Tensor, noise: torch
 
 def pair_noise(noise: NoiseSource, shape: tuple[int, ...], step: int, pair_keys: list[int],
                draws: list[int] | None = None, purpose: str = "dpo") -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward-process draws shared by the two images of a pair (REFERENCE §5): ``ε`` (m, *shape) and the
+    """Forward-process draws shared by the two images of a pair (docs/algorithms.md §5): ``ε`` (m, *shape) and the
     logit-normal ``σ = sigmoid(u), u ~ N(0, 1)`` (m,), keyed by ``(step, pair key, draw index)`` (``draws``: one index
     per entry, default 0): the same whatever rank or micro-batch trains the pair."""
     draws = [0] * len(pair_keys) if draws is None else draws
@@ -527,3 +543,107 @@ def awm_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_i
     draws = [noise.rand((K,), step=step, prompt_id=p, sample_index=s, purpose="awm_timesteps")
              for p, s in zip(prompt_ids, sample_indices)]
     return torch.stack([lower + (u * width).long() for u in draws]).to(torch.long)
+
+
+DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
+
+
+@dataclass
+class SamplingOptions:
+    h: int = opt(720, "image height in pixels")
+    w: int = opt(720, "image width in pixels")
+    sampling_steps: int = opt(16, "denoising steps per rollout (S)")
+    sde_type: str = opt("flow_sde", "stochastic sampler: flow_sde (Flow-GRPO) | dance_sde (DanceGRPO) | cps",
+                        choices=SDE_TYPES)
+    eta: float | None = opt(None, "SDE noise level (default by --sde_type: flow_sde 0.9, dance_sde 0.3, cps 0.8)")
+    shift: float | None = opt(None, "static sigma shift (DanceGRPO: 3); unset = FLUX dynamic shift like FluxPipeline")
+    guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
+    cfg_scale: float = opt(1.0, "true classifier-free guidance scale, 1 = off (FLUX.1 uses --guidance_scale instead): "
+                                "> 1 samples, replays and evaluates with the guided velocity v_u + s(v_c - v_u) from "
+                                "one batched forward of prompt + negative prompt (Flow-GRPO trains SD3.5-M with 4.5; "
+                                "GRPO's ratios are those of the guided step); DPO's and NFT's losses stay on the "
+                                "conditional velocity (their papers train CFG-free). Needs embeddings preprocessed "
+                                "with --negative_prompt")
+    sde_window_size: int = opt(0, "noise only on this many consecutive steps (0 = every step is stochastic)")
+    sde_window_range: tuple[int, int] | None = opt(
+        None, "two step indices LO HI: the window lies in steps [LO, HI) (default: 0 S-1, never the last step)",
+        nargs=2, type=int)
+    sde_window_schedule: str = opt(
+        "random", "where the --sde_window_size window lies at each training step: random = a keyed draw per prompt "
+        "group and step (Flow-GRPO-Fast) | sliding = MixGRPO's sliding window (arXiv 2507.21802): every sample of a "
+        "step shares it; it starts at LO of --sde_window_range, moves by --sde_window_stride every "
+        "--sde_window_shift_interval steps and rolls back to LO after the last full position (MixGRPO's --roll_back) "
+        "| progressive = the same, but it stays at the last position (verl-omni's progressive)",
+        choices=WINDOW_SCHEDULES)
+    sde_window_shift_interval: int = opt(
+        25, "--sde_window_schedule sliding|progressive: training steps the window stays at one position (MixGRPO's "
+        "shift interval tau, iters_per_group: 25 in its FLUX script)")
+    sde_window_stride: int = opt(
+        1, "--sde_window_schedule sliding|progressive: steps the window moves at each shift (MixGRPO's stride, "
+        "prog_overlap_step: 1 in its FLUX script; = --sde_window_size for non-overlapping positions)")
+    init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
+    decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
+    rollout_batch_size: int = opt(8, "samples per transformer call during rollout (per rank)")
+    decode_batch_size: int = opt(0, "latents per VAE decode call (the VAE decodes in the compute dtype); 0 = auto: on "
+                                    "a GPU/NPU the largest batch whose planned decode peak is <= 4 GiB (at most "
+                                    "--rollout_batch_size; 2 at 1024^2 in bf16), on the CPU a whole rollout "
+                                    "micro-batch; lower it when the decode, not the transformer, runs out of memory "
+                                    "(the images do not change)")
+    last_step: str = opt(
+        "sde", "the last sampling step (sigma' = 0), never trained: sde = stochastic like the others (Flow-GRPO's "
+        "code; chosen by measurement on the demo, see docs/reproducing.md) | ode = the deterministic Euler step, "
+        "which is exactly its x0_hat, so the scored image carries no noise the policy cannot influence (the image "
+        "DanceGRPO scores, as --decode_x0 does)", choices=LAST_STEP_MODES)
+
+
+def changed_flags(args: argparse.Namespace, keys: Sequence[str], defaults: dict[str, Any]) -> list[str]:
+    """Those of ``keys`` whose value differs from ``defaults``, counting the values validation resolves an unset flag
+    to (--eta 0 of a deterministic sampler, the default --sde_window_range) as unset: a run's config.json, which holds
+    resolved values, passes validation again."""
+    def resolved_default(key: str) -> bool:
+        value = getattr(args, key)
+        if key == "eta":
+            return value == 0.0
+        if key == "sde_window_range":
+            return value is not None and tuple(value) == default_window_range(args.sampling_steps)
+        return False
+
+    return [k for k in keys if getattr(args, k) != defaults[k] and not resolved_default(k)]
+
+
+def validate_sampling(args: argparse.Namespace) -> None:
+    """Sampler flags: steps, eta, window, sizes."""
+    need(args.sampling_steps >= 2, f"--sampling_steps must be >= 2, got {args.sampling_steps}")
+    need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")
+    if args.eta is None:
+        args.eta = DEFAULT_ETA[args.sde_type]
+    need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
+    need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
+    need(args.cfg_scale >= 1,
+         f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {args.cfg_scale}")
+    need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
+    need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = auto), got {args.decode_batch_size}")
+    S = args.sampling_steps
+    need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
+                                          f"got {args.sde_window_size}")
+    need(args.sde_window_size > 0 or not changed_flags(args, ("sde_window_range",), {"sde_window_range": None}),
+         "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "
+         "--sde_window_size W or drop --sde_window_range")
+    if args.sde_window_range is None:
+        args.sde_window_range = default_window_range(S)
+    lo, hi = args.sde_window_range
+    if args.sde_window_size:
+        need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,
+             f"--sde_window_range {lo} {hi} must satisfy 0 <= LO, HI <= --sampling_steps ({S}) and "
+             f"HI - LO >= --sde_window_size ({args.sde_window_size})")
+        need(not (hi == S and args.last_step == "ode"),
+             f"--sde_window_range {lo} {hi} includes the last step, which --last_step ode makes deterministic; end "
+             f"the range at {S - 1} or pass --last_step sde")
+    schedule = args.sde_window_schedule
+    if schedule != "random":
+        need(args.sde_window_size > 0, f"--sde_window_schedule {schedule} moves the SDE window: set --sde_window_size "
+                                        "W (MixGRPO: 4 of 25 steps) or use --sde_window_schedule random")
+        need(args.sde_window_shift_interval >= 1,
+             f"--sde_window_shift_interval must be >= 1 (steps per window position), got "
+             f"{args.sde_window_shift_interval}")
+        need(args.sde_window_stride >= 1, f"--sde_window_stride must be >= 1, got {args.sde_window_stride}")

@@ -2,7 +2,7 @@
 ``python -m fastvideo.rewards.score --run_dir OUT`` take from ``OUT/config.json``, in one place.
 
 A trainer's ``OUT/config.json`` holds every flag it ran with (``config.save_config``) and ``OUT/final`` its export
-(a diffusers LoRA or a full transformer folder, ``training.export_final``). From them a sampling takes the base model,
+(a diffusers LoRA or a full transformer folder, ``policy.export_final``). From them a sampling takes the base model,
 the export, the image size, the sampler (``--sampling_steps`` -> ``--num_inference_steps``, ``--shift``,
 ``--guidance_scale``, ``--noise_device``), the text length and embedding dtype of the run's training embeddings, the
 held-out prompts of the run's evaluation (``--eval_prompts``, ``--eval_max_prompts``, ``--eval_num_images``), the
@@ -18,6 +18,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from fastvideo.config import RECORDED_KEYS, flags_given, read_config_file
+from fastvideo.data import is_manifest
+from fastvideo.rewards import REWARD_PATH_FLAGS
 
 # sample.py flag <- the trainer flag it is taken from (the same name unless listed)
 _SAMPLE_FROM_RUN = {"h": "h", "w": "w", "num_inference_steps": "sampling_steps", "shift": "shift",
@@ -67,8 +71,6 @@ def explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                    config_files: str | Sequence[str] | None = None) -> set[str]:
     """The flags (dest names) the user gave: on the command line ``argv`` (default sys.argv), however spelled
     (``--h 64``, ``--h=64``, an unambiguous prefix: ``config.flags_given``), or as keys of the ``--config`` file(s)."""
-    from fastvideo.config import RECORDED_KEYS, flags_given, read_config_file
-
     found = flags_given(parser, list(sys.argv[1:] if argv is None else argv))
     files = [config_files] if isinstance(config_files, (str, Path)) else list(config_files or ())
     for file in files:
@@ -120,9 +122,6 @@ def apply_to_sample(args: argparse.Namespace, explicit: set[str]) -> str:
     no run, a run without OUT/final (unless --base) or a base model / prompt source that is not where the run had it;
     ValueError for --lora_path / --transformer_path with --run_dir, and for a run without --eval_prompts and no
     --prompts."""
-    from fastvideo.data import is_manifest
-    from fastvideo.training import REWARD_PATH_FLAGS
-
     run = read_run(args.run_dir)
     given = sorted(f"--{k}" for k in explicit & {"lora_path", "transformer_path"})
     if given:
@@ -186,8 +185,6 @@ def apply_to_score(args: argparse.Namespace, explicit: set[str]) -> str:
     and its path flags, --device; --images defaults to OUT/sampled/final (``sample.py --run_dir OUT``'s output; its
     index.jsonl gives the prompts) and then --out to OUT/sampled/final/scores.jsonl. Returns the line that tells what
     is scored; FileNotFoundError / ValueError naming the fix."""
-    from fastvideo.training import REWARD_PATH_FLAGS
-
     run = read_run(args.run_dir)
     reward = run_reward(run)
     if reward is None and "reward" not in explicit:

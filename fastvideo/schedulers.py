@@ -1,6 +1,6 @@
 """Sigma schedules and one reverse step of the flow-matching sampler, with its log-probability.
 
-REFERENCE.md §1-2. Sampling runs from sigma=1 (noise) to sigma=0 (image); ``dt = sigma_next - sigma < 0``.
+docs/algorithms.md §1-2. Sampling runs from sigma=1 (noise) to sigma=0 (image); ``dt = sigma_next - sigma < 0``.
 One function serves sampling (``prev_sample=None``) and training replay (``prev_sample`` given: only
 evaluates). All step arithmetic is float32 whatever the input dtype (bf16 inputs are upcast), because
 the PPO ratio depends on log-prob differences that bf16 cannot resolve.
@@ -117,8 +117,8 @@ KL_FORMS = ("per_unit_time", "reference")
 
 def sde_noise_scale(sigma: Sigma, sigma_next: Sigma, *, sde_type: str = "flow_sde", eta: float,
                     sigma_max: Sigma | None = None, kl_form: str = "per_unit_time") -> torch.Tensor:
-    """The noise scale ``s`` the KL of REFERENCE §4 divides by, ``mean_dims((mu - mu_ref)²) / (2 s²)`` (float32, 0-d
-    or (B,)).
+    """The noise scale ``s`` the KL of docs/algorithms.md §4 divides by, ``mean_dims((mu - mu_ref)²) / (2 s²)``
+    (float32, 0-d or (B,)).
 
     ``kl_form="per_unit_time"`` (default): ``s = std / sqrt(sigma - sigma_next)``: flow_sde: Flow-GRPO's ``s`` (std
     without sqrt(-dt)); dance_sde: ``eta``; cps: ``std / sqrt(-dt)``. ``kl_form="reference"``: the ``std_dev_t``
@@ -147,7 +147,7 @@ def sde_step_with_logprob(model_output: torch.Tensor, sample: torch.Tensor, sigm
                           sde_type: str = "flow_sde", eta: float, prev_sample: torch.Tensor | None = None,
                           noise: torch.Tensor | None = None, sigma_max: Sigma | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One stochastic reverse step ``x -> x'`` and ``log p(x' | x)`` (REFERENCE §2.1-2.3), in float32.
+    """One stochastic reverse step ``x -> x'`` and ``log p(x' | x)`` (docs/algorithms.md §2.1-2.3), in float32.
 
     Returns ``(prev_sample, log_prob (B,), prev_sample_mean, std (B,))`` where ``std`` is the standard
     deviation of ``x'`` given ``x``. ``prev_sample=None`` samples ``x' = mean + std*noise`` (``noise`` as

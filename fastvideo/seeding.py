@@ -1,7 +1,7 @@
 """Seeds, deterministic mode and the noise source.
 
 Every random tensor the trainers use is drawn from a generator seeded by
-``(seed, step, prompt id, sample index, purpose)`` (DESIGN principle 4), on the CPU by default, so
+``(seed, step, prompt id, sample index, purpose)`` (docs/design.md principle 4), on the CPU by default, so
 CUDA, NPU and CPU runs see identical noise and results do not depend on world size or batch layout.
 """
 from __future__ import annotations

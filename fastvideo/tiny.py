@@ -516,10 +516,12 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
     "sd3.5-medium-config": ("fastvideo.models.sd3:write_config", "SD3.5-Medium's real configs, no weights"),
     "qwen-image-tiny": ("fastvideo.models.qwen_image:build_tiny", "a tiny Qwen-Image at 64px"),
     "qwen-image-config": ("fastvideo.models.qwen_image:write_config", "Qwen-Image's real configs, no weights"),
-    "flux2-tiny": ("fastvideo.models.flux2:build_tiny", "a tiny FLUX.2 (klein layout: Qwen3 text encoder) at 64px"),
-    "flux2-dev-tiny": ("fastvideo.models.flux2:build_tiny_dev",
+    "flux2-tiny": ("fastvideo.models.flux2_presets:build_tiny",
+                   "a tiny FLUX.2 (klein layout: Qwen3 text encoder) at 64px"),
+    "flux2-dev-tiny": ("fastvideo.models.flux2_presets:build_tiny_dev",
                        "a tiny FLUX.2-dev (Mistral3 text encoder, guidance embedding) at 64px"),
-    "flux2-klein-4b-config": ("fastvideo.models.flux2:write_config", "FLUX.2-klein-4B's real configs, no weights"),
+    "flux2-klein-4b-config": ("fastvideo.models.flux2_presets:write_config",
+                              "FLUX.2-klein-4B's real configs, no weights"),
 }
 write_atomically = _write_atomically  # the family modules' builders use it
 

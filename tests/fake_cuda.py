@@ -1,4 +1,5 @@
-"""Pretend-CUDA harness (DESIGN principle 9): the trainers' hot paths traced on fake CUDA tensors in one CPU process.
+"""Pretend-CUDA harness (docs/design.md principle 9): the trainers' hot paths traced on fake CUDA tensors in one CPU
+process.
 
 No GPU is needed. ``pretend_cuda()`` sets up, and undoes on exit:
 
@@ -93,7 +94,7 @@ ALLOWED_SYNCS: dict[str, str] = {
         "checkpoint/export only: the gathered state dict (the LoRA export's too) is copied to the CPU",
 }
 
-# Per-iteration host-sync budgets of the hot loops (DESIGN principle 9).
+# Per-iteration host-sync budgets of the hot loops (docs/design.md principle 9).
 SAMPLING_STEP_SYNC_BUDGET = 1
 REPLAY_STEP_SYNC_BUDGET = 0
 
@@ -810,32 +811,33 @@ def default_objectives() -> list[Objective]:
     DiffusionNFT (old policy, DPM-Solver++(2M) rollout, KL); with LoRA only (their full fine-tune shares GRPO's / NFT's
     sharding): GRPO-Guard on MixGRPO's sliding window with both micro-batch switches (weighted, padded micro-batches),
     Flow-DPPO on Flow-GRPO's first-K timesteps, and AWM (on-policy rollout, old-policy KL anchor)."""
-    from fastvideo import config
+    from fastvideo import objectives
+    from fastvideo import policy
 
     def old_policy(args: argparse.Namespace) -> dict[str, bool]:
-        return {"need_reference": args.kl_beta > 0, "old_policy": config.nft_uses_old_policy(args)}
+        return {"need_reference": args.kl_beta > 0, "old_policy": policy.nft_uses_old_policy(args)}
 
     return [
-        Objective("grpo", config.parse_grpo_args, config.validate_grpo,
+        Objective("grpo", objectives.parse_grpo_args, objectives.validate_grpo,
                   ("--kl_beta", "0.01", "--use_ema", "--timestep_fraction", "1.0"),
                   lambda a: {"need_reference": a.kl_beta > 0}, update_grpo),
-        Objective("dpo", config.parse_dpo_args, config.validate_dpo, ("--ref_update_interval", "1"),
+        Objective("dpo", objectives.parse_dpo_args, objectives.validate_dpo, ("--ref_update_interval", "1"),
                   lambda a: {"need_reference": True, "ref_snapshot": a.ref_update_interval > 0}, update_dpo,
                   group_advantages=False),
-        Objective("nft", config.parse_nft_args, config.validate_nft,
+        Objective("nft", objectives.parse_nft_args, objectives.validate_nft,
                   ("--kl_beta", "0.01", "--solver", "dpm2", "--eta", "0", "--timestep_fraction", "0.5"),
                   lambda a: {"need_reference": a.kl_beta > 0, "old_policy": True}, update_nft,
                   old_policy_samples=True, keep_latents=False),
-        Objective("grpo_guard", config.parse_grpo_args, config.validate_grpo,
+        Objective("grpo_guard", objectives.parse_grpo_args, objectives.validate_grpo,
                   ("--policy_loss", "guard", "--clip_range", "2e-6", "--sde_window_size", "1", "--sde_window_schedule",
                    "sliding", "--sde_window_shift_interval", "1", "--shuffle_micro_batches", "--drop_zero_advantage",
                    "--gradient_accumulation_steps", "1", "--kl_beta", "0.01"),
                   lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
-        Objective("grpo_dppo", config.parse_grpo_args, config.validate_grpo,
+        Objective("grpo_dppo", objectives.parse_grpo_args, objectives.validate_grpo,
                   ("--policy_loss", "dppo", "--timestep_selection", "first", "--timestep_fraction", "0.5",
                    "--gradient_accumulation_steps", "1"),
                   lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
-        Objective("awm", config.parse_nft_args, config.validate_nft,
+        Objective("awm", objectives.parse_nft_args, objectives.validate_nft,
                   ("--objective", "awm", "--old_kl_beta", "0.1", "--kl_beta", "0.01", "--eta", "0",
                    "--awm_timesteps", "1", "--timestep_fraction", "1.0", "--shuffle_micro_batches",
                    "--train_batch_size", "1", "--gradient_accumulation_steps", "1"),  # 2 optimizer steps, weighted
@@ -944,7 +946,8 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     --cfg_scale > 1, moved as ``batch_to`` moves them), and the rollout with the sampling policy (the old policy for
     NFT), as the trainers call it."""
     from fastvideo import rollout, training
-    from fastvideo.data import GroupSampler
+    from fastvideo.prompt_groups import GroupSampler
+    from fastvideo.rollout import RolloutConfig
 
     args, dist = run.args, run.dist
     samples = GroupSampler(len(shared.prompts), args.prompts_per_step, args.num_generations, seed=args.seed,
@@ -964,7 +967,7 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     policy.model.eval()
     pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: scored on the scorer's thread as decoded
     with sampler as model:
-        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, training.rollout_config(args),
+        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, RolloutConfig.from_args(args),
                                run.noise, run.geometry, device=run.device, autocast_dtype=run.amp_dtype,
                                keep_latents=objective.keep_latents,
                                keep_means=getattr(args, "policy_loss", "clip") != "clip", on_decoded=pending)
@@ -985,7 +988,7 @@ def _score(trace: Trace, objective: Objective) -> None:
 def _checkpoint(rec: Recorder, run: Any) -> dict[str, Any]:
     """``checkpoint.save_checkpoint`` for real except DCP's file writes (fake tensors have no bytes: ``dcp.save``
     only describes what it was given), then the export's state dict (the LoRA, or the full transformer), with the
-    EMA swapped in as ``training.export_final`` does; returns what each would write."""
+    EMA swapped in as ``policy.export_final`` does; returns what each would write."""
     import torch.distributed.checkpoint as dcp
 
     from fastvideo import checkpoint as ckpt

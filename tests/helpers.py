@@ -159,19 +159,19 @@ def build_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     files, memory plan, VAE or reward (flags validated for the data-parallel size, device defaults resolved, the policy
     by ``build_policy(**build)``, optimizer, a 10-step LR schedule): for tests that call an ``update_policy`` directly;
     the caller sets ``vae`` / ``geometry`` / ``reward_fn`` as it needs them."""
-    from fastvideo import distributed, parallel, training
+    from fastvideo import devices, distributed, launch, parallel, policy, training
     from fastvideo.seeding import NoiseSource
 
     dist = distributed.set_sequence_parallel(args.sp_size)
-    counts = training.with_sp_counts(validate(args, dist.dp_size), dist.sp_size)
-    training.resolve_device_defaults(args, dist.device.type)
+    counts = launch.with_sp_counts(validate(args, dist.dp_size), dist.sp_size)
+    launch.resolve_device_defaults(args, dist.device.type)
     run = training.Run(args=args, dist=dist, counts=counts, config={}, resume_dir=None,
                        noise=NoiseSource(args.seed, device=args.noise_device),
-                       amp_dtype=training.compute_dtype(args.mixed_precision, dist.device))
-    run.policy = training.build_policy(args, dist.device, **build)
+                       amp_dtype=devices.compute_dtype(args.mixed_precision, dist.device))
+    run.policy = policy.build_policy(args, dist.device, **build)
     run.sync_every_backward = parallel.resolve_gradient_sync(args.gradient_sync, run.policy.is_lora) == "backward"
-    run.optimizer = training.build_optimizer(run.policy, args)
-    run.lr_scheduler = training.build_lr_scheduler(run.optimizer, args, 10)
+    run.optimizer = policy.build_optimizer(run.policy, args)
+    run.lr_scheduler = policy.build_lr_scheduler(run.optimizer, args, 10)
     return run
 
 

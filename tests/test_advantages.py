@@ -1,4 +1,4 @@
-"""Group advantages vs a float64 per-group re-derivation (REFERENCE §3)."""
+"""Group advantages vs a float64 per-group re-derivation (docs/algorithms.md §3)."""
 from __future__ import annotations
 
 import math

@@ -21,10 +21,10 @@ def test_every_objective_flag_set_is_accepted(tmp_path):
     """Each objective's published flags and each tuning candidate, over the toy-world demo's config files as its
     launcher passes them (with the study's --eval_reward), pass the trainer's validation; every objective has the same
     number of candidates (an equal tuning budget)."""
-    from fastvideo import config as C
+    from fastvideo import objectives as O
 
-    trainers = {"grpo": (C.parse_grpo_args, C.validate_grpo), "dpo": (C.parse_dpo_args, C.validate_dpo),
-                "nft": (C.parse_nft_args, C.validate_nft)}
+    trainers = {"grpo": (O.parse_grpo_args, O.validate_grpo), "dpo": (O.parse_dpo_args, O.validate_dpo),
+                "nft": (O.parse_nft_args, O.validate_nft)}
     assert set(A.OBJECTIVES) == {"grpo", "grpo_guard", "grpo_dppo", "mixgrpo", "dpo", "nft", "awm"}
     assert len({len(A.candidates(n)) for n in A.OBJECTIVES}) == 1
     heldout = tmp_path / "heldout.json"

@@ -253,7 +253,7 @@ def test_replay_flags_and_steps_are_checked_before_loading(tmp_path):
 def test_replay_flags_are_refused_by_the_trainer_before_loading(tiny_flux_dir, tiny_data, tmp_path):
     from helpers import validate_flags
 
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
 
     with pytest.raises(ValueError, match="--replay_images takes the images of a recording"):
         validate_flags(tmp_path, parse_grpo_args, validate_grpo, "--replay_images")

@@ -11,7 +11,7 @@ import torch
 from helpers import run_torchrun, validate_flags
 from test_train_nft import nft_args
 
-from fastvideo import config as C
+from fastvideo import objectives as O
 from fastvideo.logging import read_metrics
 from fastvideo.losses import awm_loss
 from fastvideo.rollout import awm_timesteps
@@ -149,11 +149,11 @@ def test_awm_timesteps_one_per_stratum_keyed_per_sample():
 ])
 def test_validation_refuses_what_awm_cannot_use(tmp_path, flags, match):
     with pytest.raises(ValueError, match=match):
-        validate_flags(tmp_path, C.parse_nft_args, C.validate_nft, *flags)
+        validate_flags(tmp_path, O.parse_nft_args, O.validate_nft, *flags)
 
 
 def test_validation_counts_awm_timesteps(tmp_path):
-    counts = validate_flags(tmp_path, C.parse_nft_args, C.validate_nft, "--objective", "awm", "--sampling_steps", "10",
+    counts = validate_flags(tmp_path, O.parse_nft_args, O.validate_nft, "--objective", "awm", "--sampling_steps", "10",
                             "--timestep_fraction", "0.7", "--awm_timesteps", "4", "--old_kl_beta", "0.1",
                             "--old_decay_schedule", "awm")
     assert counts["trained_timesteps"] == 4

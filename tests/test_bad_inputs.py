@@ -15,7 +15,7 @@ import torch
 from helpers import REPO, load_script, validate_flags
 
 from fastvideo.models import flux
-from fastvideo.config import parse_grpo_args, validate_grpo
+from fastvideo.objectives import parse_grpo_args, validate_grpo
 from fastvideo.data import EmbeddingDataset, EmbeddingWriter, StoreSpec, read_prompt_file
 from fastvideo.rewards import build_reward
 
@@ -101,9 +101,10 @@ def test_manifest_of_another_sequence_length(tmp_path, tiny_flux_dir):
     from fastvideo.training import Run
 
     fingerprint = flux.encoders_fingerprint(tiny_flux_dir)
-    args = SimpleNamespace(pretrained_model_name_or_path=str(tiny_flux_dir), h=64, w=64, reward="jpeg_compressibility",
-                           data_json_path=str(_store(tmp_path / "train", fingerprint, msl=8)),
-                           eval_prompts=str(_store(tmp_path / "eval", fingerprint, msl=4)))
+    args = parse_grpo_args(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--h", "64", "--w", "64",
+                            "--reward", "jpeg_compressibility", "--data_json_path",
+                            str(_store(tmp_path / "train", fingerprint, msl=8)), "--eval_prompts",
+                            str(_store(tmp_path / "eval", fingerprint, msl=4))])
     with pytest.raises(ValueError, match="--eval_prompts has 4 text tokens.*--max_sequence_length 8"):
         Run.sampling_inputs(SimpleNamespace(args=args, out=tmp_path / "out", device=torch.device("cpu")))
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fastvideo import data
-from fastvideo.data import (EmbeddingDataset, EmbeddingWriter, GroupSampler, StoreSpec, plan_shards,
-                            read_prompt_file)
+from fastvideo.data import EmbeddingDataset, EmbeddingWriter, StoreSpec, plan_shards, read_prompt_file
+from fastvideo.prompt_groups import GroupSampler
 
 T, D, DP = 6, 5, 3
 

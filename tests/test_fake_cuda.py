@@ -1,5 +1,5 @@
-"""DESIGN principle 9 on a pretend-CUDA trace (tests/fake_cuda.py): each trainer's hot path at world size 8, bf16
-mixed precision on device ``cuda``, traced on fake tensors in one CPU process (run once per module, in its own
+"""docs/design.md principle 9 on a pretend-CUDA trace (tests/fake_cuda.py): each trainer's hot path at world size
+8, bf16 mixed precision on device ``cuda``, traced on fake tensors in one CPU process (run once per module, in its own
 process so that nothing of the trace leaks into the rest of the suite), then checked (``fake_cuda.CHECKS``): no
 CPU/CUDA mixing, one dtype (bf16) into attention, host syncs only at ``fake_cuda.ALLOWED_SYNCS`` and within the
 per-step budgets of the sampling and replay loops, no pageable or blocking host-to-device copy inside those loops.

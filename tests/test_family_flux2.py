@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastvideo import models
-from fastvideo.models import flux2
+from fastvideo.models import flux2, flux2_presets
 from fastvideo.schedulers import ode_step
 
 SIZE, MSL = 64, 32  # tiny preset: 64 px -> 64 packed tokens of 16 channels; 32 text tokens
@@ -22,7 +22,7 @@ DEV_MSL = 96  # dev: its system message alone is ~70 tiny-BPE tokens, so the pro
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The tiny klein folder (seed 0), built once for the module."""
-    return flux2.build_tiny(tmp_path_factory.mktemp("flux2") / "tiny", seed=0)
+    return flux2_presets.build_tiny(tmp_path_factory.mktemp("flux2") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def pipe(tiny):
 @pytest.fixture(scope="module")
 def dev_tiny(tmp_path_factory) -> Path:
     """The tiny FLUX.2-dev folder (seed 0), built once for the module."""
-    return flux2.build_tiny_dev(tmp_path_factory.mktemp("flux2") / "dev", seed=0)
+    return flux2_presets.build_tiny_dev(tmp_path_factory.mktemp("flux2") / "dev", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_folder_loads_resolves_and_is_seeded(tiny, pipe, family, tmp_path):
     assert sum(p.numel() for p in pipe.transformer.parameters()) < 1_000_000
     from fastvideo.tiny import build_preset
 
-    again, other = build_preset(tmp_path / "again", "flux2-tiny", 0), flux2.build_tiny(tmp_path / "other", seed=1)
+    again, other = build_preset(tmp_path / "again", "flux2-tiny", 0), flux2_presets.build_tiny(tmp_path / "other", seed=1)
     files = sorted(p.relative_to(tiny) for p in tiny.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     assert all(filecmp.cmp(tiny / f, again / f, shallow=False) for f in files)
@@ -231,7 +231,7 @@ def test_meta_build_example_inputs_and_real_parameter_count(tiny, family, tmp_pa
     assert models.family_of(model) is family and next(model.parameters()).is_meta
     out = model(**family.example_inputs(model.config, 2, 64, MSL, torch.float32, "meta"))[0]
     assert out.shape == (2, 64, 16) and out.is_meta
-    folder = flux2.write_config(tmp_path / "klein4b")
+    folder = flux2_presets.write_config(tmp_path / "klein4b")
     assert not list(folder.rglob("*.safetensors"))
     assert family.sampler_defaults(folder).cfg_scale == 1.0  # klein-4B is step-distilled: no true CFG
     real = family.build_transformer(folder, dtype=torch.bfloat16)
@@ -305,7 +305,7 @@ def test_dev_folder_loads_resolves_and_is_seeded(dev_tiny, dev_pipe, tiny, tmp_p
     assert (defaults.guidance, defaults.cfg_scale) == (4.0, 1.0)
     vae = Path("vae/diffusion_pytorch_model.safetensors")
     assert filecmp.cmp(dev_tiny / vae, tiny / vae, shallow=False)  # the same tiny VAE as flux2-tiny
-    again, other = build_preset(tmp_path / "again", "flux2-dev-tiny", 0), flux2.build_tiny_dev(tmp_path / "o", 1)
+    again, other = build_preset(tmp_path / "again", "flux2-dev-tiny", 0), flux2_presets.build_tiny_dev(tmp_path / "o", 1)
     files = sorted(p.relative_to(dev_tiny) for p in dev_tiny.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     assert all(filecmp.cmp(dev_tiny / f, again / f, shallow=False) for f in files)

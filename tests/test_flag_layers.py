@@ -12,11 +12,13 @@ import pytest
 import yaml
 
 from fastvideo import config as C
+from fastvideo import evaluation
+from fastvideo import objectives as O
 
 REPO = Path(__file__).resolve().parents[1]
 
-PARSERS = {"grpo": (C.grpo_parser, C.validate_grpo), "dpo": (C.dpo_parser, C.validate_dpo),
-           "nft": (C.nft_parser, C.validate_nft)}
+PARSERS = {"grpo": (O.grpo_parser, O.validate_grpo), "dpo": (O.dpo_parser, O.validate_dpo),
+           "nft": (O.nft_parser, O.validate_nft)}
 PAIRS = "pairs.jsonl"  # a stand-in --preference_file, made in the test's folder
 
 # (parser, flag a with its clashing value, flag b with its clashing value, the validator's message, which side may be
@@ -79,7 +81,7 @@ def _setup(tmp_path: Path, tiny_flux_dir: Path, tiny_data: Path, which: str):
 
         base = {"pretrained_model_name_or_path": str(tiny_flux_dir), "prompts": str(tiny_data), "h": 64, "w": 64,
                 "output_dir": str(tmp_path / "samples")}
-        return build_sample_parser, lambda args, world: C.validate_sample(args), base, real
+        return build_sample_parser, lambda args, world: evaluation.validate_sample(args), base, real
     parser, validate = PARSERS[which]
     base = {"pretrained_model_name_or_path": str(tiny_flux_dir), "data_json_path": str(tiny_data), "h": 64, "w": 64,
             "output_dir": str(tmp_path / "out"), **BASE}

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from fastvideo.models import flux
+from fastvideo.models import common, flux
 from helpers import REPO
 
 PROMPTS = ["a photo of a cat", "An astronaut riding a horse on Mars, 4k, highly-detailed!!", "a red cube " * 40]
@@ -230,10 +230,10 @@ def test_one_dtype_into_attention_under_cuda_rms_norm_policy(tiny_flux_dir):
 
     model = flux.load_transformer(tiny_flux_dir)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
-    assert norms and all(type(m) is flux.ComputeDtypeRMSNorm for m in norms)
+    assert norms and all(type(m) is common.ComputeDtypeRMSNorm for m in norms)
     stock = flux.load_transformer(tiny_flux_dir)
     for m in stock.modules():
-        if type(m) is flux.ComputeDtypeRMSNorm:
+        if type(m) is common.ComputeDtypeRMSNorm:
             m.__class__ = torch.nn.RMSNorm  # diffusers' own norms
     geometry = flux.latent_geometry(tiny_flux_dir, 64, 64)
     g = torch.Generator().manual_seed(0)

@@ -107,11 +107,11 @@ def test_bad_objective_flags_are_refused_with_the_fix(tmp_path, flags, match):
     """What a policy loss or switch cannot do is refused before anything loads, naming the reason and the fix."""
     from helpers import validate_flags
 
-    from fastvideo import config as C
+    from fastvideo import objectives as O
 
     with pytest.raises(ValueError, match=match):
-        validate_flags(tmp_path, C.parse_grpo_args, C.validate_grpo, *flags)
-    counts = validate_flags(tmp_path, C.parse_grpo_args, C.validate_grpo, "--timestep_selection", "first",
+        validate_flags(tmp_path, O.parse_grpo_args, O.validate_grpo, *flags)
+    counts = validate_flags(tmp_path, O.parse_grpo_args, O.validate_grpo, "--timestep_selection", "first",
                             "--timestep_fraction", "0.5", "--sampling_steps", "8")
     assert counts["trained_timesteps"] == 4  # Flow-GRPO's int(S x f) of all S steps
 
@@ -245,19 +245,19 @@ def test_checkpoints_from_before_the_new_flags_still_resume():
     """The run-defining flags added with the new objectives keep an older checkpoint's fingerprint where they do not
     act (their earlier value, or a setting they do not change: --kl_form on flow_sde); a run that uses one differs,
     and the refusal names the flag."""
-    from fastvideo import training
+    from fastvideo import resume
 
     old = {"algorithm": "grpo", "seed": 3, "sde_type": "flow_sde", "kl_beta": 0.04, "global_std": False}
     new = {**old, "sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1,
            "group_std": "unbiased", "timestep_selection": "random", "policy_loss": "clip", "dppo_threshold": 1e-5,
            "kl_form": "reference", "drop_zero_advantage": False, "shuffle_micro_batches": False}
-    assert training.run_identity(new)["config_fingerprint"] == training.run_identity(old)["config_fingerprint"]
-    training.check_resume_config(new, old)  # nothing differs
+    assert resume.run_identity(new)["config_fingerprint"] == resume.run_identity(old)["config_fingerprint"]
+    resume.check_resume_config(new, old)  # nothing differs
     for key, value in (("policy_loss", "guard"), ("sde_window_schedule", "sliding"), ("drop_zero_advantage", True)):
         changed = {**new, key: value}
-        assert training.run_identity(changed)["config_fingerprint"] != training.run_identity(old)["config_fingerprint"]
+        assert resume.run_identity(changed)["config_fingerprint"] != resume.run_identity(old)["config_fingerprint"]
         with pytest.raises(ValueError, match=f"--{key}: checkpoint"):
-            training.check_resume_config(changed, old)
+            resume.check_resume_config(changed, old)
     cps = {**old, "sde_type": "cps"}  # --kl_form acts on cps with a KL: the old form was per_unit_time
     with pytest.raises(ValueError, match="--kl_form: checkpoint 'per_unit_time' vs now 'reference'"):
-        training.check_resume_config({**cps, "kl_form": "reference"}, cps)
+        resume.check_resume_config({**cps, "kl_form": "reference"}, cps)

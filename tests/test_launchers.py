@@ -120,7 +120,7 @@ def test_grpo_launcher_dry_run_plans_the_flux_recipe(tmp_path_factory):
 def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
     """The MODEL_PATH recipe passes DanceGRPO's 8-GPU values (scripts/finetune/finetune_flux_grpo_8gpus.sh): a stub
     PYTHON records what the launcher would hand to torchrun, parsed with the trainer's own parser."""
-    from fastvideo.config import parse_grpo_args
+    from fastvideo.objectives import parse_grpo_args
 
     argv = launcher_argv(tmp_path, "scripts/finetune_flux_grpo.sh")
     args = parse_grpo_args(argv[argv.index("train_grpo_flux.py") + 1:])
@@ -203,7 +203,7 @@ def test_launchers_default_to_expandable_segments_unless_set(tmp_path, script):
 def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):
     """The MODEL_PATH recipe of scripts/finetune_flux_dpo.sh (verl-omni's online DPO values, FLUX.1-dev's from
     Flow-GRPO), online and offline, parsed and validated by the trainer's own parser."""
-    from fastvideo.config import parse_dpo_args
+    from fastvideo.objectives import parse_dpo_args
 
     online = launcher_argv(tmp_path, "scripts/finetune_flux_dpo.sh")
     args = parse_dpo_args(online[online.index("train_dpo.py") + 1:])
@@ -293,7 +293,7 @@ def test_dpo_launcher_dry_run_plans_the_flux_recipe(tmp_path):
 def test_nft_flux_recipe_parses_to_its_cited_values(tmp_path):
     """The MODEL_PATH recipe of scripts/finetune_flux_nft.sh (DiffusionNFT's SD3.5 values, FLUX.1-dev's sampling),
     parsed and validated by the trainer's own parser for 8 ranks."""
-    from fastvideo.config import parse_nft_args, validate_nft
+    from fastvideo.objectives import parse_nft_args, validate_nft
 
     argv = launcher_argv(tmp_path, "scripts/finetune_flux_nft.sh")
     args = parse_nft_args(argv[argv.index("train_nft.py") + 1:])
@@ -416,14 +416,14 @@ DEMOS = [  # (trainer, the launcher's --config files, the data: the toy world or
 def test_demo_configs_validate(trainer, files, data, toy_world, tiny_flux_dir, tiny_data, tmp_path):
     """Every demo's values (scripts/demos/*.yaml, as its launcher layers them under the paths) parse and validate
     for the demo's one rank, and the launcher passes exactly these files."""
-    from fastvideo import config as C
+    from fastvideo import objectives as O
 
     launcher = (REPO / "scripts" / f"finetune_flux_{trainer}.sh").read_text() + \
         (REPO / "scripts" / "_training_common.sh").read_text()
     for name in files:
         assert f"--config scripts/demos/{name}" in launcher
-    parse, validate = {"grpo": (C.parse_grpo_args, C.validate_grpo), "dpo": (C.parse_dpo_args, C.validate_dpo),
-                       "nft": (C.parse_nft_args, C.validate_nft)}[trainer]
+    parse, validate = {"grpo": (O.parse_grpo_args, O.validate_grpo), "dpo": (O.parse_dpo_args, O.validate_dpo),
+                       "nft": (O.parse_nft_args, O.validate_nft)}[trainer]
     if data == "toy":
         paths = ["--pretrained_model_name_or_path", str(toy_world["model"]), "--data_json_path", str(toy_world["train"]),
                  "--eval_prompts", str(toy_world["heldout"])]

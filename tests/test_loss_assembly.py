@@ -1,7 +1,7 @@
 """The trainers' loss assembly against an independent one: one optimizer step's gradient as each trainer's own
 ``update_policy`` produces it (GRPO, Diffusion-DPO, DiffusionNFT; LoRA and full fine-tune) equals the gradient of a
 loss this test assembles by hand from the float64-tested loss functions of ``fastvideo.losses`` and the trainers'
-inputs, with the scale REFERENCE.md and the trainers' docstrings document:
+inputs, with the scale docs/algorithms.md and the trainers' docstrings document:
 
 - GRPO / NFT: each (micro-batch, trained timestep) loss times ``1 / (gradient_accumulation_steps x trained
   timesteps)``, summed over the accumulation cycle; GRPO adds ``--kl_beta`` x the KL to the reference;
@@ -24,9 +24,10 @@ import torch
 from fake_cuda import trainer
 from helpers import build_run
 
-from fastvideo import config, rollout, training
+from fastvideo import objectives, rollout, training
+from fastvideo.rollout import RolloutConfig
 from fastvideo.models import flux
-from fastvideo.data import GroupSampler
+from fastvideo.prompt_groups import GroupSampler
 from fastvideo.losses import dpo_loss, flow_matching_error, grpo_loss, kl_loss, nft_advantages, nft_loss
 from fastvideo.rollout import forward_noise, model_velocity, pair_noise, replay_log_prob
 
@@ -64,7 +65,7 @@ def _rollout(run: training.Run, model: torch.nn.Module, keep_latents: bool = Tru
              "pooled_prompt_embeds": torch.randn(b, model_config["pooled_projection_dim"], generator=g)}
     run.policy.model.eval()
     with torch.no_grad():
-        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, training.rollout_config(args),
+        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, RolloutConfig.from_args(args),
                                run.noise, run.geometry, device=run.device, keep_latents=keep_latents)
     run.policy.model.train()
     return samples, batch, traj
@@ -134,7 +135,7 @@ def _grpo_hand_loss(run: training.Run, samples, batch: dict, traj, advantages: t
                     ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """GRPO's documented assembly: ``(sum of clipped ratio losses, sum of KLs, clipped fraction)``, each
     (micro-batch, trained timestep) term times ``1 / (gradient_accumulation_steps x trained timesteps)``."""
-    args, cfg, policy = run.args, training.rollout_config(run.args), run.policy.model
+    args, cfg, policy = run.args, RolloutConfig.from_args(run.args), run.policy.model
     timesteps = rollout.select_trained_timesteps(traj, samples.prompt_ids, samples.sample_indices, STEP, run.noise,
                                                  timestep_fraction=args.timestep_fraction)  # (B, K)
     trained = timesteps.shape[1]
@@ -158,7 +159,7 @@ def _grpo_hand_loss(run: training.Run, samples, batch: dict, traj, advantages: t
 def test_grpo_update_matches_hand_assembled_loss(tiny_flux_dir, tmp_path, variant):
     """``train_grpo_flux.update_policy``'s gradient = that of sum over (micro-batch, timestep) of (clipped ratio loss
     + kl_beta x KL) / (accumulation x timesteps), with ratios off 1 (some clipped) and a non-negligible KL gradient."""
-    run = _run(tiny_flux_dir, tmp_path, config.parse_grpo_args, config.validate_grpo, (*GRPO_FLAGS, *VARIANTS[variant]),
+    run = _run(tiny_flux_dir, tmp_path, objectives.parse_grpo_args, objectives.validate_grpo, (*GRPO_FLAGS, *VARIANTS[variant]),
                need_reference=True)
     assert run.counts["micro_batches_per_rank"] == 2 and run.counts["optimizer_steps_per_rollout"] == 1
     samples, batch, traj = _rollout(run, run.policy.model)
@@ -212,7 +213,7 @@ def _dpo_hand_loss(run: training.Run, pair_batch: dict, x0_w: torch.Tensor, x0_l
 def test_dpo_update_matches_hand_assembled_loss(tiny_flux_dir, tmp_path, variant):
     """``train_dpo.update_policy``'s gradient = that of sum over (pair, draw) items of pair weight /
     timesteps_per_pair x DPO loss (winner and loser in their true roles), with the policy off the reference."""
-    run = _run(tiny_flux_dir, tmp_path, config.parse_dpo_args, config.validate_dpo, (*DPO_FLAGS, *VARIANTS[variant]),
+    run = _run(tiny_flux_dir, tmp_path, objectives.parse_dpo_args, objectives.validate_dpo, (*DPO_FLAGS, *VARIANTS[variant]),
                need_reference=True, ref_snapshot=False)
     samples, batch, traj = _rollout(run, run.policy.model)
     _perturb(run.policy.model, variant, seed=2)  # the policy is no longer the reference
@@ -279,7 +280,7 @@ def test_nft_update_matches_hand_assembled_loss(tiny_flux_dir, tmp_path, variant
     """``train_nft.update_policy``'s gradient = that of sum over (micro-batch, sigma) of NFT loss (+ kl_beta x KL) /
     (accumulation x timesteps), with the policy, the old policy and the reference all different and one sample
     dropped (a non-finite reward)."""
-    run = _run(tiny_flux_dir, tmp_path, config.parse_nft_args, config.validate_nft, (*NFT_FLAGS, *VARIANTS[variant]),
+    run = _run(tiny_flux_dir, tmp_path, objectives.parse_nft_args, objectives.validate_nft, (*NFT_FLAGS, *VARIANTS[variant]),
                need_reference=True, old_policy=True)
     assert run.counts["micro_batches_per_rank"] == 2 and run.counts["optimizer_steps_per_rollout"] == 1
     _perturb(_old_model(run, variant), variant, seed=4, adapter="old")  # the old policy is not the reference

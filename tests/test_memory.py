@@ -279,7 +279,7 @@ def test_dry_run_plans_the_frozen_reference_of_a_full_fine_tune_in_bf16(tmp_path
 def test_plan_arithmetic_for_flux_dev(tmp_path):
     """The plan's model-state lines are the byte arithmetic of 11.9B parameters; --gradient_sync step with LoRA
     adds the unsharded adapter gradients; world size 1 keeps everything unsharded."""
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
     from fastvideo.memory import GiB, plan_grpo
     from fastvideo.tiny import write_flux_dev_config
 
@@ -319,7 +319,7 @@ def test_nft_plan_holds_the_old_policy_and_its_buffers(tiny_flux_dir):
     (The tiny preset keeps this in the default suite; FLUX.1-dev's planning is the same code, checked for GRPO in
     test_plan_arithmetic_for_flux_dev and against a measured NFT run in the slow nft-full case above.)"""
     from fastvideo.models import flux
-    from fastvideo.config import parse_grpo_args, parse_nft_args, validate_grpo, validate_nft
+    from fastvideo.objectives import parse_grpo_args, parse_nft_args, validate_grpo, validate_nft
     from fastvideo.memory import plan_grpo, plan_nft
 
     common = ["--pretrained_model_name_or_path", str(tiny_flux_dir), "--h", "64", "--w", "64", "--sampling_steps",

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from fastvideo import devices, memory, training
+from fastvideo import devices, launch, memory, training
+from fastvideo.rollout import RolloutConfig
 from fastvideo.models import flux
 from fastvideo import distributed as D
-from fastvideo.config import parse_grpo_args, validate_grpo
+from fastvideo.objectives import parse_grpo_args, validate_grpo
 from fastvideo.memory import GiB, MemoryPlan, PlanItem
 
 
@@ -63,31 +64,31 @@ def _tiny_args(folder, *flags: str):
 
 
 def test_check_memory_plan_with_the_real_planner(tiny_flux_dir, capsys):
-    """``training.check_memory_plan`` as ``start_run`` calls it (world size 1, no process group), with the trainer's
+    """``launch.check_memory_plan`` as ``start_run`` calls it (world size 1, no process group), with the trainer's
     planner on the tiny model for a "cuda" job and fake device memory sizes."""
     from fastvideo.memory import plan_grpo
 
     args = _tiny_args(tiny_flux_dir)
     counts = validate_grpo(args, 1)
-    training.resolve_device_defaults(args, "cuda")
+    launch.resolve_device_defaults(args, "cuda")
     with pytest.raises(ValueError, match="does NOT fit.*--ignore_memory_plan"):
-        training.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 2**20)
-    training.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 80 * GiB)
+        launch.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 2**20)
+    launch.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 80 * GiB)
     out = capsys.readouterr().out
     assert "memory plan:" in out and "vs 80.0 GiB per device: fits" in out
     args.ignore_memory_plan = True
-    training.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 2**20)
+    launch.check_memory_plan(args, counts, plan_grpo, 1, "cuda", 2**20)
     assert "warning: --ignore_memory_plan:" in capsys.readouterr().out
 
     def never(*a, **k):
         raise AssertionError("the CPU is not planned at start")
 
-    training.check_memory_plan(args, counts, never, 1, "cpu", None)
+    launch.check_memory_plan(args, counts, never, 1, "cpu", None)
 
     def broken(*a, **k):
         raise KeyError("a model the planner does not know")
 
-    training.check_memory_plan(args, counts, broken, 1, "cuda", 2**20)  # an estimate never stops a run
+    launch.check_memory_plan(args, counts, broken, 1, "cuda", 2**20)  # an estimate never stops a run
     assert "could not be computed (KeyError" in capsys.readouterr().out
 
 
@@ -159,7 +160,7 @@ def test_dry_run_resolves_like_the_run_on_its_device(flux_dev, capsys):
              "--w", "1024", "--num_generations", "4", "--prompts_per_step", "4", "--train_batch_size", "1",
              "--rollout_batch_size", "4", "--sampling_steps", "4", "--dry_run_world_size", "8"]
     args = parse_grpo_args(flags)
-    training.dry_run(args, validate_grpo, plan_grpo)
+    launch.dry_run(args, validate_grpo, plan_grpo)
     out = capsys.readouterr().out
     assert args.gradient_checkpointing is True and args.decode_batch_size == 2
     assert "with gradient checkpointing" in out and "(the same without gradient checkpointing)" in out
@@ -185,9 +186,9 @@ def test_auto_decode_batch_size(flux_dev, tiny_flux_dir):
     assert memory.resolve_decode_batch_size(args, "cuda") == 5  # explicit, and resolved values, stay
     args = _tiny_args(tiny_flux_dir)
     validate_grpo(args, 1)
-    training.resolve_device_defaults(args, "cpu")
+    launch.resolve_device_defaults(args, "cpu")
     assert args.decode_batch_size == 0 and args.gradient_checkpointing is False
-    assert training.rollout_config(args).decode_batch_size == 0
+    assert RolloutConfig.from_args(args).decode_batch_size == 0
 
 
 def test_bf16_vae_decode_is_close_to_fp32(tiny_flux_dir):

@@ -9,7 +9,7 @@ import torch
 
 from helpers import validate_flags
 
-from fastvideo.config import parse_nft_args, validate_nft
+from fastvideo.objectives import parse_nft_args, validate_nft
 from fastvideo.losses import nft_advantages, nft_loss, nft_old_decay, nft_optimality
 
 
@@ -58,7 +58,7 @@ def test_adv_modes_shape_the_optimality():
 
 # ------------------------------------------------------------------------------------------------ the old policy
 def _policy(tiny_flux_dir: Path, *flags: str):
-    from fastvideo.training import build_optimizer, build_policy
+    from fastvideo.policy import build_optimizer, build_policy
 
     args = parse_nft_args(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--device", "cpu", "--lora_rank",
                            "4", "--seed", "3", *flags])
@@ -135,7 +135,7 @@ def test_old_adapter_is_frozen_distinct_and_follows_the_schedule(tiny_flux_dir, 
 
 
 def test_full_finetune_old_policy_is_a_separate_frozen_copy(tiny_flux_dir):
-    from fastvideo.training import build_policy
+    from fastvideo.policy import build_policy
 
     args = parse_nft_args(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--device", "cpu"])
     policy = build_policy(args, torch.device("cpu"), need_reference=True, old_policy=True)

@@ -36,7 +36,7 @@ def test_transformer_flops_formula_matches_the_counter(tiny_flux_dir, batch, tex
         return flux.predict_velocity(model, x, 0.5, embeds, pooled, flux.image_ids(geometry),
                                      flux.text_ids(text_tokens), guidance=3.5)
 
-    expected = flops.transformer_flops(model.config, L, text_tokens, batch)
+    expected = flux.transformer_flops(model.config, L, text_tokens, batch)
     with torch.no_grad():
         assert flops.counted_flops(forward) == expected  # CPU flash attention counted: exact
     with sdpa_kernel([SDPBackend.MATH]):  # attention as plain matmuls: torch counts every one itself
@@ -44,9 +44,9 @@ def test_transformer_flops_formula_matches_the_counter(tiny_flux_dir, batch, tex
             assert flops.counted_flops(forward) == expected
         trained = flops.counted_flops(lambda: forward().sum().backward())
     # model FLOPs are 3 forwards; the counter skips the input gradient of the first (embedding) layers
-    assert trained == pytest.approx(flops.transformer_flops(model.config, L, text_tokens, batch, backward=True),
+    assert trained == pytest.approx(flux.transformer_flops(model.config, L, text_tokens, batch, backward=True),
                                     rel=0.02)
-    assert flops.transformer_flops(model.config, L, text_tokens, 2 * batch) == 2 * expected
+    assert flux.transformer_flops(model.config, L, text_tokens, 2 * batch) == 2 * expected
 
 
 def test_flux_dev_forward_flops_at_1024():
@@ -56,7 +56,7 @@ def test_flux_dev_forward_flops_at_1024():
     config = {"num_attention_heads": 24, "attention_head_dim": 128, "num_layers": 19, "num_single_layers": 38,
               "in_channels": 64, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True}
     N, D = 4096 + 512, 3072
-    total = flops.transformer_flops(config, 4096, 512)
+    total = flux.transformer_flops(config, 4096, 512)
     attention = 57 * 4 * N * N * D
     per_token = 57 * 12 * D * D  # 6.45e9
     assert 2 * per_token * N < total - attention < 1.01 * 2 * per_token * N

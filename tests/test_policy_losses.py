@@ -7,9 +7,13 @@ import math
 import pytest
 import torch
 
-from fastvideo.losses import (DPPO_SDE_TYPES, GUARD_SDE_REASONS, GUARD_SDE_TYPES, flow_dppo_loss, grpo_guard_loss,
-                              grpo_loss, policy_loss_sde_refusal)
+from fastvideo.losses import (POLICY_LOSS_TABLE, flow_dppo_loss, grpo_guard_loss, grpo_loss,
+                              policy_loss_sde_refusal)
 from fastvideo.schedulers import SDE_TYPES, sde_step_with_logprob
+
+GUARD_SDE_TYPES = POLICY_LOSS_TABLE["guard"].sde_types
+GUARD_SDE_REASONS = POLICY_LOSS_TABLE["guard"].refusals
+DPPO_SDE_TYPES = POLICY_LOSS_TABLE["dppo"].sde_types
 
 SHAPES = [(6,), (5, 4, 3, 3), (4, 7, 5)]  # (B,) is a degenerate 1-element latent; (B,C,H,W); (B,L,D) packed tokens
 
@@ -28,7 +32,7 @@ DPPO_METRICS = ("policy_loss", "clipfrac", "approx_kl", "ratio_mean", "ratio_std
 
 
 def _gauss_lp64(x_next, mean, std):
-    """float64 Gaussian log-density of x' averaged over the latent dims (REFERENCE §2.1), std (B,)."""
+    """float64 Gaussian log-density of x' averaged over the latent dims (docs/algorithms.md §2.1), std (B,)."""
     s = std.reshape(-1, *([1] * (mean.ndim - 1)))
     lp = -(x_next - mean) ** 2 / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
     return lp.reshape(lp.shape[0], -1).mean(1)
@@ -49,7 +53,7 @@ def _case(shape, seed, drift=1e-3):
 
 
 def _guard64(lp, old, adv, mean, old_mean, std, sqdt, clip):
-    """GRPO-Guard written out in float64 (REFERENCE-style, per sample)."""
+    """GRPO-Guard written out in float64 (docs/algorithms.md-style, per sample)."""
     b = ((mean - old_mean) ** 2).reshape(mean.shape[0], -1).mean(1) / (2 * std**2)
     rho = torch.exp((lp - old + b) * std)
     per = torch.maximum(-adv * rho, -adv * rho.clamp(1 - clip, 1 + clip)) / sqdt**2

@@ -109,7 +109,7 @@ def _fake_checkpoint(root: Path, step: int, meta: dict | None) -> Path:
 
 
 def test_resume_checks_completeness_algorithm_and_fingerprint(tmp_path):
-    from fastvideo.training import check_resume_checkpoint, run_identity
+    from fastvideo.resume import check_resume_checkpoint, run_identity
 
     config = {"algorithm": "grpo", "lora_rank": 4, "learning_rate": 1e-3, "sde_window_range": (0, 5)}
     with pytest.raises(FileNotFoundError, match="missing meta.json: not a checkpoint, or interrupted mid-save"):

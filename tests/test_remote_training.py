@@ -144,7 +144,7 @@ def test_the_score_tool_scores_remotely_as_locally_and_names_a_dead_server(tmp_p
 def test_the_fingerprint_leaves_reward_server_addresses_out():
     """A checkpoint's run identity (what --resume_from compares) is the same when only the reward servers' addresses
     changed (a requeued job's new nodes), and differs when a weight or the reward itself changed."""
-    from fastvideo.training import run_identity
+    from fastvideo.resume import run_identity
 
     def identity(reward: str) -> str:
         return run_identity({"algorithm": "grpo", "reward": reward, "seed": 0})["config_fingerprint"]

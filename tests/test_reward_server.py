@@ -138,7 +138,7 @@ def test_server_flag_errors(capsys):
 def test_trainer_validates_the_client_flags(tmp_path, flag, value, match):
     from helpers import validate_flags
 
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
 
     with pytest.raises(ValueError, match=match):
         validate_flags(tmp_path, parse_grpo_args, validate_grpo, "--reward", "remote:http://h:8000", flag, value)

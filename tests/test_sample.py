@@ -161,7 +161,7 @@ def _module():
 
 
 def test_errors_name_the_fix_before_loading(tiny_flux_dir, prompts, base_run, tmp_path):
-    from fastvideo.config import validate_sample
+    from fastvideo.evaluation import validate_sample
 
     sample = _module()
     common = ["--pretrained_model_name_or_path", str(tiny_flux_dir), "--prompts", str(prompts), "--h", "64", "--w",

@@ -204,7 +204,7 @@ def _fake_run(tmp_path: Path, source: Path, name: str, final: bool = True, **cha
 
 
 def test_bad_inputs_fail_before_anything_loads(full_run, heldout, tmp_path):
-    from fastvideo.config import validate_sample
+    from fastvideo.evaluation import validate_sample
     from fastvideo.runs import explicit_flags
 
     sample = _sample_module()

@@ -1,4 +1,4 @@
-"""Sigma schedules and SDE/ODE steps vs float64 re-derivations of REFERENCE §1-2 and vs diffusers."""
+"""Sigma schedules and SDE/ODE steps vs float64 re-derivations of docs/algorithms.md §1-2 and vs diffusers."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ def _inputs(batch=4, seq=16, ch=8, seed=0, dtype=torch.float32):
 
 
 def _reference64(sde_type, x, v, eps, sigma, sigma_next, eta, sigma_max):
-    """REFERENCE §2 formulas in float64 (scalar sigmas) -> prev, mean, std (float), log_prob (B,)."""
+    """docs/algorithms.md §2 formulas in float64 (scalar sigmas) -> prev, mean, std (float), log_prob (B,)."""
     x, v, eps = x.double(), v.double(), eps.double()
     dt = sigma_next - sigma
     if sde_type == "flow_sde":

@@ -159,7 +159,7 @@ def test_sp_flag_errors_name_the_fix(tiny_flux_dir):
 def test_sp_validation_before_loading(tiny_flux_dir, tiny_data, tmp_path):
     """Bad --sp_size values fail at the flag check, on every rank, before any model loads: the tiny model has 2
     heads."""
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
 
     def flags(*extra):
         return parse_grpo_args(common_args(tiny_flux_dir, tiny_data, tmp_path / "out", *extra)[1:])
@@ -223,8 +223,8 @@ def test_flop_meter_matches_the_counter_within_5_percent(tiny_flux_dir):
         forward()
     assert meter.take() == {"rollout": pytest.approx(counted, rel=1e-9)}
     config = model.config
-    full = flops.transformer_flops(config, geometry.seq_len, 12, 3)
-    lora_bwd = flops.transformer_flops(config, geometry.seq_len, 12, 3, backward=True, weight_grads=False)
+    full = flux.transformer_flops(config, geometry.seq_len, 12, 3)
+    lora_bwd = flux.transformer_flops(config, geometry.seq_len, 12, 3, backward=True, weight_grads=False)
     assert 2 * full < lora_bwd < 3 * full
 
 

@@ -173,7 +173,7 @@ def test_eval_metric_names_cannot_collide():
 def test_bad_eval_reward_specs_name_the_fix(tmp_path):
     from helpers import validate_flags
 
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
 
     assert parse_eval_reward_spec(None, "toyworld") == [] and parse_eval_reward_spec(" ", "toyworld") == []
     assert parse_eval_reward_spec("toyworld_clean:1.0", "toyworld") == [("toyworld_clean", 1.0)]
@@ -214,7 +214,7 @@ def test_eval_reward_changes_no_fingerprint():
     """An evaluation-only flag: the checkpoint's resume fingerprint and the recording's draw-deciding flags are the
     same with and without it."""
     from fastvideo.record import REPLAY_KEYS
-    from fastvideo.training import resume_keys, run_identity
+    from fastvideo.resume import resume_keys, run_identity
 
     config = {"algorithm": "grpo", "reward": "toyworld:1.0", "seed": 0, "eval_prompts": "heldout.txt"}
     assert run_identity({**config, "eval_reward": "toyworld_clean:1.0"}) == run_identity(config)
@@ -229,7 +229,7 @@ def test_evaluation_logs_the_extra_rewards_and_keeps_eval_reward(tiny_flux_dir, 
     from helpers import build_run
 
     from fastvideo import models
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
     from fastvideo.data import EmbeddingDataset
     from fastvideo.models import flux
 

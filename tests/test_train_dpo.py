@@ -14,7 +14,7 @@ from helpers import (REPO, assert_lora_changes_pipeline, assert_resume_matches, 
                      run_torchrun, validate_flags)
 
 from fastvideo.advantages import best_worst_pairs, share_pairs
-from fastvideo.config import parse_dpo_args, validate_dpo
+from fastvideo.objectives import parse_dpo_args, validate_dpo
 from fastvideo.logging import read_metrics
 
 

@@ -285,7 +285,7 @@ def test_sampler_variants_end_to_end(tiny_flux_dir, tiny_data, tmp_path, flags):
 
 def test_silent_flags_are_refused(tiny_flux_dir, tiny_data, tmp_path):
     """Flags that would do nothing are errors before anything loads."""
-    from fastvideo.config import parse_grpo_args, validate_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
 
     def check(*extra: str, drop_fraction: bool = False) -> str:
         args = common_args(tiny_flux_dir, tiny_data, tmp_path / "x", *extra)[1:]

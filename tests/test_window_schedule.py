@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from fastvideo.config import validate_sampling
+from fastvideo.rollout import validate_sampling
 from fastvideo.rollout import RolloutConfig, stochastic_mask, window_position, window_starts
 from fastvideo.seeding import NoiseSource
 

@@ -12,13 +12,15 @@ A loaded transformer carries its adapter (``tag``), so code holding only the mod
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastvideo.models.base import FAMILY_ATTRIBUTE, ModelFamily, SamplerDefaults, tag, unwrap_model
+from fastvideo.options import opt
+from fastvideo.plugins import load_object
 
 __all__ = ["ModelFamily", "SamplerDefaults", "FAMILIES", "names", "resolve", "family_for", "family_of", "tag", "spec_of"]
 
@@ -47,11 +49,11 @@ def _load(target: str, flag: str) -> ModelFamily:
         raise ValueError(f"{flag} {target!r} is neither 'auto', a family ({', '.join(names())}) nor "
                          f"'package.module:Class'; see {_HELP}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"{flag} {target!r}: cannot import {module_name!r} ({err}); put the adapter's package on "
-                         f"PYTHONPATH or install it (see {_HELP})") from err
-    cls = getattr(module, class_name, None)
+        cls = load_object(target, flag, "Class", _HELP)
+    except ValueError as err:
+        if "defines no" not in str(err):
+            raise
+        cls = None
     if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
         raise ValueError(f"{flag} {target!r}: {module_name} has no ModelFamily subclass {class_name!r}; an adapter "
                          f"subclasses fastvideo.models.ModelFamily (see {_HELP})")
@@ -118,3 +120,24 @@ def family_of(transformer: Any) -> ModelFamily:
     raise ValueError(f"{type(model).__name__} belongs to no registered model family: build it through a "
                      f"ModelFamily adapter (fastvideo.models.resolve(...).build_transformer) or tag it with "
                      f"fastvideo.models.tag(model, family) ({_HELP})")
+
+
+@dataclass
+class ModelOptions:
+    pretrained_model_name_or_path: str | None = opt(
+        None, "local diffusers model folder (model_index.json, transformer/, vae/, ...); required")
+    model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
+                                    "qwen-image | flux2 | "
+                                    "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
+    data_json_path: str | None = opt(
+        None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")
+    output_dir: str = opt("outputs/grpo", "run folder: config.json, metrics.jsonl, samples/, checkpoints/, final/")
+    device: str | None = opt(None, "cuda | npu | cpu (default: first available in that order)")
+    seed: int = opt(42, "run seed; all noise derives from (seed, step, prompt id, sample index, purpose)")
+    deterministic: bool = opt(False, "use deterministic kernels and full-float32 math (slower on GPU: "
+                                     "deterministic algorithms, cuBLAS workspace, no TF32/HF32; "
+                                     "docs/alignment.md, Determinism). Uninitialised memory is not filled (torch's "
+                                     "fill_uninitialized_memory is turned off: filling would write every torch.empty, "
+                                     "e.g. each FSDP all-gather buffer, and this code reads no memory before writing "
+                                     "it)")
+    noise_device: str = opt("cpu", "device noise is drawn on (cpu makes CUDA/NPU/CPU runs identical)")

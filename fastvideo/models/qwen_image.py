@@ -35,7 +35,7 @@ from fastvideo import devices
 from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_config, model_dtype, tag, unwrap_model)
-from fastvideo.models.flux import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
+from fastvideo.models.common import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
 
 # --------------------------------------------------------------------------------------- the stock pipeline's facts
 # QwenImagePipeline.prompt_template_encode / prompt_template_encode_start_idx / tokenizer_max_length.

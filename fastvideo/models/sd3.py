@@ -7,9 +7,9 @@ Layouts the rest of the project sees (``SD3``, the ``ModelFamily`` adapter):
 - text: ``prompt_embeds`` ``(N, 77 + T, D_t5)`` = [CLIP-L penultimate hidden | CLIP-G penultimate hidden] zero-padded
   to the T5 width, then the T5 sequence; ``pooled_prompt_embeds`` ``(N, P_l + P_g)`` = both CLIP projections. SD3
   attends over every token (no mask), so nothing is trimmed on collate.
-- latents: packed 2x2 into ``(B, L, 4C)`` tokens exactly as FLUX.1's (``flux.pack_latents``), unpacked to the
+- latents: packed 2x2 into ``(B, L, 4C)`` tokens exactly as FLUX.1's (``common.pack_latents``), unpacked to the
   ``(B, C, h, w)`` layout the transformer takes for each call; the VAE normalisation ``(z - shift) * scale`` is
-  the pipeline's (``flux.decode`` / ``flux.encode`` do the same arithmetic).
+  the pipeline's (``common.decode`` / ``common.encode``, shared with FLUX.1, do the same arithmetic).
 - time: the transformer gets ``sigma * 1000`` (the scheduler's ``timesteps``), computed on the device.
 
 ``build_tiny`` writes a seeded tiny SD3.5 folder (64px, q/k RMSNorm, one dual-attention block) that the stock
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from fastvideo import tiny
-from fastvideo.models import flux
-from fastvideo.models.flux import keep_attention_dtype
+from fastvideo.models import common
+from fastvideo.models.common import keep_attention_dtype
 from fastvideo.models.attention import attention_backend_of, set_attention_backend
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_dtype, tag, unwrap_model)
@@ -264,12 +264,12 @@ class SD3(ModelFamily):
 
     # ------------------------------------------------------------------------------------------- latents
     def latent_geometry(self, vae_or_config, height, width):
-        """``flux.LatentGeometry``: sizes must be multiples of VAE factor x patch 2 (the pipeline's check_inputs)."""
+        """``common.LatentGeometry``: sizes must be multiples of VAE factor x patch 2 (the pipeline's check_inputs)."""
         if isinstance(vae_or_config, (str, os.PathLike)):
             folder = Path(vae_or_config).expanduser()
             if not (folder / "config.json").is_file():
                 self.check_folder(folder, ("vae",))  # SD3's message, not FLUX's, for a folder without vae/
-        return flux.latent_geometry(vae_or_config, height, width)
+        return common.latent_geometry(vae_or_config, height, width)
 
     def conditioning(self, geometry, cond, guidance, device):
         return {"geometry": geometry}  # no position ids or distilled guidance: only the unpacking layout
@@ -285,22 +285,22 @@ class SD3(ModelFamily):
                              f"{pooled.shape[0]}; repeat the embeddings per sample")
         timestep = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device) * NUM_TRAIN_TIMESTEPS
         timestep = timestep.expand(batch) if timestep.ndim == 0 else timestep.reshape(batch)
-        x = flux.unpack_latents(latents, shared["geometry"])  # the transformer patchifies 2x2 itself
+        x = common.unpack_latents(latents, shared["geometry"])  # the transformer patchifies 2x2 itself
         if not torch.is_autocast_enabled(latents.device.type):
             dtype = model_dtype(transformer)
             x, embeds, pooled = x.to(dtype), embeds.to(dtype), pooled.to(dtype)
         out = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                           pooled_projections=pooled, return_dict=False)[0]
-        return flux.pack_latents(out).float()
+        return common.pack_latents(out).float()
 
     def sigmas(self, steps, image_seq_len):
         return sigmas(steps)  # static shift: the same grid at every resolution
 
     def decode(self, vae, latents, geometry, micro_batch=None):
-        return flux.decode(vae, latents, geometry, micro_batch)  # latents / scaling + shift, as the pipeline
+        return common.decode(vae, latents, geometry, micro_batch)  # latents / scaling + shift, as the pipeline
 
     def encode(self, vae, images, geometry, micro_batch=None):
-        return flux.encode(vae, images, geometry, micro_batch)
+        return common.encode(vae, images, geometry, micro_batch)
 
     # ---------------------------------------------------------------------------------- FLOPs and plan
     def transformer_flops(self, config, image_tokens, text_tokens, batch=1, *, backward=False, weight_grads=True):

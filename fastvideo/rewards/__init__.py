@@ -38,6 +38,7 @@ Their bearer token comes from the environment variable FASTVIDEO_REWARD_TOKEN on
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import math
 import re
@@ -46,19 +47,49 @@ from typing import Callable, Sequence
 
 import torch
 
+from fastvideo.options import opt
+from fastvideo.plugins import MODULE_PATH
+from fastvideo.rewards.plugin import build_plugin, load_plugin, parse_reward_options
+
 Scorer = Callable[[torch.Tensor, Sequence[str]], torch.Tensor | dict[str, torch.Tensor]]
 
-# name -> (module, factory); each factory is build(device, **paths) -> Scorer.
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "hpsv2": ("fastvideo.rewards.hpsv2", "build"),
-    "pickscore": ("fastvideo.rewards.pickscore", "build"),
-    "clipscore": ("fastvideo.rewards.clipscore", "build"),
-    "aesthetic": ("fastvideo.rewards.aesthetic", "build"),
-    "jpeg_compressibility": ("fastvideo.rewards.jpeg", "build_compressibility"),
-    "jpeg_incompressibility": ("fastvideo.rewards.jpeg", "build_incompressibility"),
-    "toyworld": ("fastvideo.rewards.toyworld", "build"),
-    "toyworld_clean": ("fastvideo.rewards.toyworld", "build_clean"),
-    "toyworld_strict": ("fastvideo.rewards.toyworld", "build_strict"),
+@dataclass(frozen=True)
+class BuiltinReward:
+    """A reward this package computes in the process, declared in one place: its factory
+    (``module.factory(device, **paths) -> Scorer``), the files it requires (flag, "file" | "dir" | "any", what the
+    flag names), the architecture flag that may hold a config JSON instead of a model name, the function that refuses
+    prompts it cannot score (``module.prompt_check(prompts, name)``, run on the training and evaluation prompts before
+    any model loads), and how the progress bar shows it (label, factor: label=value*factor, in its own units)."""
+
+    module: str
+    factory: str = "build"
+    paths: tuple[tuple[str, str, str], ...] = ()
+    arch_flag: str | None = None
+    prompt_check: str | None = None
+    display: tuple[str, float] | None = None
+
+
+REWARDS: dict[str, BuiltinReward] = {
+    "hpsv2": BuiltinReward("fastvideo.rewards.hpsv2", arch_flag="hps_model",
+                           paths=(("hps_checkpoint", "file", "HPS_v2_compressed.pt or HPS_v2.1_compressed.pt"),)),
+    "pickscore": BuiltinReward("fastvideo.rewards.pickscore",
+                               paths=(("pickscore_model", "dir", "a local folder of yuvalkirstain/PickScore_v1"),
+                                      ("pickscore_processor", "dir",
+                                       "a local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K"))),
+    "clipscore": BuiltinReward("fastvideo.rewards.clipscore", arch_flag="clip_model",
+                               paths=(("clip_checkpoint", "file",
+                                       "an open_clip checkpoint (open_clip_pytorch_model.bin)"),)),
+    "aesthetic": BuiltinReward("fastvideo.rewards.aesthetic", arch_flag="aesthetic_clip_model",
+                               paths=(("aesthetic_checkpoint", "file", "LAION's sac+logos+ava1-l14-linearMSE.pth"),
+                                      ("aesthetic_clip_checkpoint", "any",
+                                       "a CLIP ViT-L/14 transformers folder or open_clip file"))),
+    "jpeg_compressibility": BuiltinReward("fastvideo.rewards.jpeg", "build_compressibility",
+                                          display=("jpeg_kB", -500.0)),  # the JPEG size in kB, not -kB/500
+    "jpeg_incompressibility": BuiltinReward("fastvideo.rewards.jpeg", "build_incompressibility",
+                                            display=("jpeg_kB", 500.0)),
+    "toyworld": BuiltinReward("fastvideo.rewards.toyworld", prompt_check="check_prompts"),
+    "toyworld_clean": BuiltinReward("fastvideo.rewards.toyworld", "build_clean"),
+    "toyworld_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_strict", prompt_check="check_prompts"),
 }
 # Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
 # build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
@@ -69,39 +100,21 @@ _URL_REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
                   ("judge_model", "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency",
                    "reward_timeout_s", "reward_retries")),
 }
-REWARD_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # the rewards computed in this process
+REWARD_NAMES: tuple[str, ...] = tuple(REWARDS)  # the rewards computed in this process
 URL_REWARD_NAMES: tuple[str, ...] = tuple(_URL_REGISTRY)
 JUDGE_SCORES = ("yes_no", "number", "ocr")  # --judge_score: how a vlm_judge reads the chat model's answer
 _URL_NAME = re.compile(r"(?P<family>[a-z_]+)(?:\.(?P<label>[A-Za-z0-9_]+))?")
 
-# Rewards that score only some prompts: name -> (module, function(prompts, name) raising ValueError), run on the
-# training and evaluation prompts before any model loads.
-_PROMPT_CHECKS: dict[str, tuple[str, str]] = {"toyworld": ("fastvideo.rewards.toyworld", "check_prompts"),
-                                               "toyworld_strict": ("fastvideo.rewards.toyworld", "check_prompts")}
-
-# Flags each reward requires, checked for every requested reward before any model is loaded.
-_REQUIRED_PATHS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "hpsv2": (("hps_checkpoint", "file", "HPS_v2_compressed.pt or HPS_v2.1_compressed.pt"),),
-    "pickscore": (("pickscore_model", "dir", "a local folder of yuvalkirstain/PickScore_v1"),
-                  ("pickscore_processor", "dir", "a local folder of laion/CLIP-ViT-H-14-laion2B-s32B-b79K")),
-    "clipscore": (("clip_checkpoint", "file", "an open_clip checkpoint (open_clip_pytorch_model.bin)"),),
-    "aesthetic": (("aesthetic_checkpoint", "file", "LAION's sac+logos+ava1-l14-linearMSE.pth"),
-                  ("aesthetic_clip_checkpoint", "any", "a CLIP ViT-L/14 transformers folder or open_clip file")),
-}
-# How the progress bar shows a component: name -> (label, factor): the bar prints label=value*factor, the reward in its
-# own units (JPEG size in kB instead of -kB/500); rewards not listed are shown as they are (HPS, PickScore, ... scores).
-DISPLAY_UNITS: dict[str, tuple[str, float]] = {"jpeg_compressibility": ("jpeg_kB", -500.0),
-                                               "jpeg_incompressibility": ("jpeg_kB", 500.0)}
 
 
 def display_values(metrics: dict[str, float]) -> dict[str, str]:
     """Progress-bar entries of the ``reward_<component>`` means in ``metrics``: each component in its own units
-    (``DISPLAY_UNITS``), 4 significant digits; per-check extras such as ``reward_toyworld_color`` are left out (the
+    (``BuiltinReward.display``), 4 significant digits; per-check extras such as ``reward_toyworld_color`` are left out (the
     strict check, ``reward_toyworld_strict``, is a reward of its own and shown)."""
     shown = {}
     for name in REWARD_NAMES:
         if f"reward_{name}" in metrics:
-            label, factor = DISPLAY_UNITS.get(name, (name, 1.0))
+            label, factor = REWARDS[name].display or (name, 1.0)
             shown[label] = f"{float(metrics[f'reward_{name}']) * factor:.4g}"
     urls = [key[len("reward_"):] for key in metrics if key.startswith("reward_")
             and (match := _URL_NAME.fullmatch(key[len("reward_"):])) and match["family"] in _URL_REGISTRY]
@@ -111,9 +124,13 @@ def display_values(metrics: dict[str, float]) -> dict[str, str]:
     return shown
 
 
-# Architecture flags that may hold a config JSON path instead of a model name.
-_ARCH_FLAGS: dict[str, str] = {"hpsv2": "hps_model", "clipscore": "clip_model", "aesthetic": "aesthetic_clip_model"}
-
+# Every reward option flag a trainer passes to ``build_reward`` (paths to weight files, the URL rewards' options).
+REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscore_processor", "clip_checkpoint",
+                     "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model",
+                     # the URL rewards' options (remote:URL, vlm_judge:URL): build_reward's keywords too
+                     "reward_timeout_s", "reward_retries", "remote_batch_size", "remote_max_concurrency", "judge_model",
+                     "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency",
+                     "reward_options")  # a user's reward factory's keyword arguments (package.module:factory)
 
 @dataclass(frozen=True)
 class RewardItem:
@@ -124,6 +141,7 @@ class RewardItem:
     family: str
     weight: float
     url: str | None = None
+    target: str | None = None  # a user's reward: "package.module:factory" (family "plugin")
 
 
 def parse_reward_items(spec: str) -> list[RewardItem]:
@@ -139,8 +157,15 @@ def parse_reward_items(spec: str) -> list[RewardItem]:
     for item in spec.split(","):
         name, sep, weight_text = (part.strip() for part in item.partition(":"))
         url_name = _URL_NAME.fullmatch(name)
-        family, url = name, None
-        if url_name and url_name["family"] in _URL_REGISTRY:
+        family, url, target = name, None, None
+        factory = weight_text.partition(":")[0].strip()
+        if (name not in REWARDS and name.split(".")[0] not in _URL_REGISTRY and factory.isidentifier()
+                and (MODULE_PATH.fullmatch(name) or name.isidentifier())):  # package.module:factory[:WEIGHT]
+            _, sep, weight_text = (part.strip() for part in weight_text.partition(":"))
+            target, family = f"{name}:{factory}", "plugin"
+            load_plugin(target)  # importable and callable: checked before anything loads
+            name = factory
+        elif url_name and url_name["family"] in _URL_REGISTRY:
             family = url_name["family"]
             grammar = f"{family}[.LABEL]:http://HOST:PORT[:WEIGHT] (a weight only after an explicit port or path)"
             if not weight_text:
@@ -154,7 +179,7 @@ def parse_reward_items(spec: str) -> list[RewardItem]:
         elif name.split(".")[0] in _URL_REGISTRY:
             raise ValueError(f"reward {name!r} in spec {spec!r}: a label is letters, digits and _ "
                              f"({name.split('.')[0]}.LABEL:URL)")
-        elif name not in _REGISTRY:
+        elif name not in REWARDS:
             raise ValueError(f"unknown reward {name!r} in spec {spec!r}; valid names: {valid}")
         weight = 1.0
         if sep:
@@ -168,7 +193,7 @@ def parse_reward_items(spec: str) -> list[RewardItem]:
         if name in (r.name for r in parsed):
             label = f" (two servers of one family need labels: {family}.a:URL,{family}.b:URL)" if url else ""
             raise ValueError(f"reward {name!r} appears twice in spec {spec!r}; give each reward once{label}")
-        parsed.append(RewardItem(name, family, weight, url))
+        parsed.append(RewardItem(name, family, weight, url, target))
     return parsed
 
 
@@ -237,9 +262,10 @@ def check_reward_paths(spec: str, **paths: str | None) -> None:
 
     for item in parse_reward_items(spec):
         name = item.name
-        for key, kind, what in _REQUIRED_PATHS.get(name, ()):
+        entry = REWARDS.get(name)
+        for key, kind, what in entry.paths if entry else ():
             require_path(paths.get(key), f"--{key}", name, what, kind=kind)
-        arch = _ARCH_FLAGS.get(name)
+        arch = entry.arch_flag if entry else None
         if arch and paths.get(arch) and looks_like_path(str(paths[arch])):
             require_path(paths[arch], f"--{arch}", name, "an open_clip model-config JSON")
         if item.family == "vlm_judge" and paths.get("judge_template"):
@@ -252,9 +278,9 @@ def check_reward_prompts(spec: str, prompts: Sequence[str], source: str, *, judg
     so a run fails before loading models, not at step 1."""
     for item in parse_reward_items(spec):
         try:
-            if item.family in _PROMPT_CHECKS:
-                module, function = _PROMPT_CHECKS[item.family]
-                getattr(importlib.import_module(module), function)(prompts, item.family)  # errors name the reward
+            entry = REWARDS.get(item.family)
+            if entry is not None and entry.prompt_check:
+                getattr(importlib.import_module(entry.module), entry.prompt_check)(prompts, item.family)  # names it
             elif item.family == "vlm_judge":
                 from .vlm_judge import check_prompts
 
@@ -270,7 +296,8 @@ def reward_identity(spec: str) -> str:
     items = parse_reward_items(spec)
     if all(item.url is None for item in items):
         return spec
-    return ",".join(f"{item.name}:{'<url>:' if item.url is not None else ''}{item.weight:g}" for item in items)
+    return ",".join(f"{item.target or item.name}:{'<url>:' if item.url is not None else ''}{item.weight:g}"
+                    for item in items)
 
 
 @dataclass
@@ -356,12 +383,13 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  aesthetic_clip_model: str = "ViT-L-14-quickgelu", batch_size: int = 0,
                  reward_timeout_s: float = 120.0, reward_retries: int = 2, remote_batch_size: int = 0,
                  remote_max_concurrency: int = 4, judge_model: str | None = None, judge_template: str | None = None,
-                 judge_score: str = "yes_no", judge_max_score: float = 10.0, judge_max_concurrency: int = 8
-                 ) -> RewardFn:
+                 judge_score: str = "yes_no", judge_max_score: float = 10.0, judge_max_concurrency: int = 8,
+                 reward_options: Sequence[str] | dict | None = None) -> RewardFn:
     """Build the weighted reward of ``spec``; every path and option is validated before any model is loaded (a URL
     reward asks its server's /health as it is built: RewardServerError naming the URL when it does not answer).
 
-    Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON).
+    Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON;
+    ``reward_options``: --reward_options KEY=VALUE, the keyword arguments of every user reward's factory).
     """
     items = parse_reward_items(spec)
     if batch_size < 0:
@@ -379,10 +407,13 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  aesthetic_clip_model=aesthetic_clip_model)
     check_reward_paths(spec, judge_template=judge_template, **paths)  # fail fast, before loading anything heavy
     built: list[tuple[str, float, Scorer]] = []
+    options = parse_reward_options(reward_options)
     for item in items:
-        if item.url is None:
-            module_name, factory = _REGISTRY[item.family]
-            scorer = getattr(importlib.import_module(module_name), factory)(device, **paths)
+        if item.target is not None:
+            scorer = build_plugin(item.target, device, options)
+        elif item.url is None:
+            entry = REWARDS[item.family]
+            scorer = getattr(importlib.import_module(entry.module), entry.factory)(device, **paths)
         else:
             module_name, factory, option_names = _URL_REGISTRY[item.family]
             try:
@@ -400,3 +431,75 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
 __all__ = ["JUDGE_SCORES", "REWARD_NAMES", "URL_REWARD_NAMES", "RewardFn", "RewardItem", "Scorer", "build_reward",
            "check_reward_options", "check_reward_paths", "parse_eval_reward_spec", "parse_reward_items",
            "parse_reward_spec", "reward_identity"]
+
+
+@dataclass
+class RewardOptions:
+    reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
+                                   "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
+                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean; weight 0 "
+                                   "logs a reward without training on it; over HTTP: "
+                                   "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
+                                   "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
+                                   "as judge; replicas http://A:PORT|http://B:PORT, a second server of one kind "
+                                   "remote.LABEL:URL; token: the FASTVIDEO_REWARD_TOKEN variable; "
+                                   "docs/reward-serving.md; your own: package.module:factory[:WEIGHT], "
+                                   "docs/rewards.md)")
+    reward_options: list[str] | None = opt(
+        None, "KEY=VALUE options of the package.module:factory rewards in --reward: each factory is called with them "
+        "as keyword arguments (values read as JSON where they parse: numbers, true, lists; else kept as strings, "
+        "e.g. paths); docs/rewards.md (default: none)", nargs="+")
+    eval_reward: str | None = opt(None, "extra rewards the held-out evaluation (--eval_prompts) also scores, beside "
+                                        "--reward, to watch what the training reward does not see (e.g. "
+                                        "'toyworld_clean:1.0' under --reward toyworld): same syntax as --reward, "
+                                        "rewards --reward does not hold; each is logged on its own (weights do not "
+                                        "matter) as eval/<name> and eval/<name>_<check>. Evaluation only: no "
+                                        "training number, checkpoint or recording changes (default: none)")
+    reward_batch_size: int = opt(0, "images per reward-model call (0 = all of a rank's images in one call); lower it "
+                                    "when a large reward model (HPS ViT-H) runs out of memory (scores do not change)")
+    reward_timeout_s: float = opt(120.0, "seconds a remote:URL / vlm_judge:URL reward waits for a server's reply, per "
+                                         "attempt (connection and each wait for bytes)")
+    reward_retries: int = opt(2, "retries of a remote:URL / vlm_judge:URL request that got no reply (refused, timed "
+                                 "out, HTTP 429/502/503/504), 0.5 s backoff doubling; then the next replica, then the "
+                                 "run stops naming the URL")
+    remote_batch_size: int = opt(0, "images per request of a remote:URL reward (0 = a reward call's images in one "
+                                    "request, split only to fit the server's --max_request_mb); a call's requests "
+                                    "run concurrently, spread over the URL's replicas")
+    remote_max_concurrency: int = opt(4, "requests of a remote:URL reward in flight at once, per process")
+    judge_model: str | None = opt(None, "model name a vlm_judge:URL reward asks for in its chat requests (default: the "
+                                        "server's first /v1/models entry)")
+    judge_template: str | None = opt(None, "text file with the question a vlm_judge:URL reward asks about each image, "
+                                           "{prompt} marking the prompt (default: a built-in question)")
+    judge_score: str = opt("yes_no", "how a vlm_judge:URL reward reads the answer: yes_no (P(yes)), number (a score "
+                                     "out of --judge_max_score, scaled to [0, 1]) or ocr (the prompt's quoted text "
+                                     "found in the image)", choices=("yes_no", "number", "ocr"))
+    judge_max_score: float = opt(10.0, "top of the scale a vlm_judge:URL reward's --judge_score number asks for")
+    judge_max_concurrency: int = opt(8, "chat requests of a vlm_judge:URL reward in flight at once, per process")
+    hps_checkpoint: str | None = opt(None, "HPS v2/v2.1 checkpoint (.pt with 'state_dict') for the hpsv2 reward")
+    hps_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for the HPS checkpoint")
+    pickscore_model: str | None = opt(None, "local PickScore CLIPModel folder for the pickscore reward")
+    pickscore_processor: str | None = opt(None, "local CLIP-H processor folder for the pickscore reward")
+    clip_checkpoint: str | None = opt(None, "open_clip checkpoint for the clipscore reward")
+    clip_model: str = opt("ViT-H-14", "open_clip architecture name or model-config JSON for clipscore")
+    aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
+    aesthetic_clip_checkpoint: str | None = opt(
+        None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
+    nonfinite_reward: str = opt(
+        "error", "a NaN/inf reward: 'error' stops the run naming the reward and prompt; 'drop' drops the sample (its "
+        "group's advantages are computed without it, it trains nothing) and counts it (dropped_samples)",
+        choices=("error", "drop"))
+    aesthetic_clip_model: str = opt("ViT-L-14-quickgelu", "open_clip architecture of --aesthetic_clip_checkpoint "
+                                                          "(when it is an open_clip file)")
+    reward_overlap: bool = opt(
+        False, "score each rollout micro-batch (--rollout_batch_size images) on a reward thread (on a GPU/NPU on its "
+        "own stream) as soon as it is decoded, while the next one samples: the step waits only for what is left "
+        "after the rollout (time_reward; the scorer's own seconds: time_reward_busy). Scores are computed per "
+        "micro-batch (each split by --reward_batch_size), so they equal a sequential run's with --reward_batch_size "
+        "= --rollout_batch_size: identical for rewards that score each image alone (toyworld, jpeg_*, a remote "
+        "server), within the kernels' batch-size effects for reward models. Sequential anyway with --replay_images "
+        "(the recorded images exist only after the rollout)")
+
+
+def check_url_reward_flags(args: argparse.Namespace) -> None:
+    """--reward_timeout_s, --reward_retries, --remote_* and --judge_* in range (ValueError naming the flag)."""
+    check_reward_options(**{k: getattr(args, k) for k in REWARD_PATH_FLAGS if hasattr(args, k)})

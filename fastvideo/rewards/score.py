@@ -108,8 +108,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags, with --run_dir's reward, reward paths, device and default images filled in where no flag was given
     (``runs.apply_to_score``; its line in ``args.run_line``); ValueError / FileNotFoundError naming the fix."""
     from fastvideo import runs
-    from fastvideo.config import RewardOptions, build_parser, parse_with_config
-    from fastvideo.training import REWARD_PATH_FLAGS
+    from fastvideo.rewards import RewardOptions
+    from fastvideo.config import build_parser, parse_with_config
+    from fastvideo.rewards import REWARD_PATH_FLAGS
 
     parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
                           exclude=("nonfinite_reward", "eval_reward"))  # a trainer's policy / evaluation; this tool

@@ -264,7 +264,7 @@ def _add_chat_routes(app: "FastAPI", **kwargs: Any) -> None:
 # ----------------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags: the reward flags of the trainers (RewardOptions) and the serving ones."""
-    from fastvideo.config import RewardOptions
+    from fastvideo.rewards import RewardOptions
     from fastvideo.config import build_parser as build_options_parser
 
     parser = build_options_parser(
@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastvideo.config import parse_with_config
     from fastvideo.distributed import pick_device_type
     from fastvideo.rewards import build_reward
-    from fastvideo.training import REWARD_PATH_FLAGS
+    from fastvideo.rewards import REWARD_PATH_FLAGS
 
     try:
         parser = build_parser()

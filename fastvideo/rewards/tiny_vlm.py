@@ -66,11 +66,11 @@ CROWD_SCALE = 0.5  # the other tokens' lm_head rows are scaled by this (a flatte
 
 
 def _tokenizer(merges: int = 3000, word_starts: int = 1000):
-    """A small byte-level BPE in Qwen2's layout (FLUX.2's tiny builder, ``fastvideo.models.flux2._byte_bpe``) with
+    """A small byte-level BPE in Qwen2's layout (FLUX.2's tiny builder, ``fastvideo.models.flux2_presets._byte_bpe``) with
     every ``JUDGE_WORDS`` entry one token and Qwen2-VL's specials after the vocabulary."""
     from transformers import AddedToken, Qwen2TokenizerFast
 
-    from fastvideo.models.flux2 import _byte_bpe
+    from fastvideo.models.flux2_presets import _byte_bpe
 
     vocab, pairs = _byte_bpe(merges, word_starts)
     for word in JUDGE_WORDS:  # merge the pieces it splits into, after every existing merge (so they apply last)

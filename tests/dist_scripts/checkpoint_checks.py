@@ -13,7 +13,8 @@ import torch
 from torch.testing import assert_close
 
 from fastvideo import distributed
-from fastvideo.checkpoint import EMA, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastvideo.ema import EMA
+from fastvideo.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastvideo.lora import add_lora
 from fastvideo.parallel import clip_grad_norm, full_state_dict, shard_model
 

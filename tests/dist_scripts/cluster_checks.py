@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from sharding_common import load_transformer, loss_of, make_batch  # first: puts the repo on sys.path
 
-from fastvideo import checkpoint, parallel, training, weights
+from fastvideo import checkpoint, launch, parallel, resume, weights
+from fastvideo.policy import Policy, export_final
 from fastvideo import distributed as D
 
 
@@ -48,9 +49,9 @@ def body(args: argparse.Namespace) -> None:
     from diffusers import FluxTransformer2DModel
 
     model = check_meshes(args.pretrained_model_name_or_path)
-    policy = training.Policy(model=model, is_lora=False, frozen_ref=None, ema=None,
+    policy = Policy(model=model, is_lora=False, frozen_ref=None, ema=None,
                              config=dict(parallel.unwrap_config(model)))
-    final = training.export_final(args, policy)  # rank 0 writes slowly; rank 1 waits past the timeout
+    final = export_final(args, policy)  # rank 0 writes slowly; rank 1 waits past the timeout
     if D.is_main_process():
         dtypes = {record.dtype for record in weights.safetensors_index(final).values()}
         assert dtypes == {torch.bfloat16}, dtypes
@@ -61,7 +62,7 @@ def body(args: argparse.Namespace) -> None:
     loss_of(model, batch).backward()
     optimizer.step()
     for step in (1, 2, 2):  # step 2 deletes step-1 (limit 1); its re-save swaps and deletes the old step-2
-        training.save_state(args, step, policy, optimizer, None, extra={"step": step})
+        resume.save_state(args, step, policy, optimizer, None, extra={"step": step})
     names = sorted(p.name for p in (Path(args.output_dir) / "checkpoints").iterdir())
     assert names == ["step-2"], names
 
@@ -82,6 +83,6 @@ if __name__ == "__main__":
                               dist_timeout_minutes=timeout_s / 60, pretrained_model_name_or_path=model_dir,
                               output_dir=str(work_dir), export_dtype="bf16", checkpoints_total_limit=1)
     rank = D.launch_env()[0]
-    training.launch(args, body)
+    launch.launch(args, body)
     assert not D._MESHES, "cleanup forgets the meshes"
     print(f"cluster ok {rank}", flush=True)

@@ -5,7 +5,7 @@
                                     resulting gradients vs a single-process reference
     load MODEL_DIR new|old [--kl] [--fsdp_version V] [--strategy S] [--lora_rank R]
                                     1 process or torchrun: peak RSS increase while building + loading + sharding the
-                                    policy (training.build_policy = new; from_pretrained on every rank = old), and
+                                    policy (policy.build_policy = new; from_pretrained on every rank = old), and
                                     the loaded weights vs the files
     export MODEL_DIR [--fsdp_version V]   torchrun: peak RSS increase per rank while gathering the export
 """
@@ -165,7 +165,7 @@ def _max_diff_vs_file(sd: dict, model_dir: str) -> float:
 
 
 def load(model_dir: str, how: str, kl: bool, fsdp_version: int, strategy: str, lora_rank: int) -> None:
-    from fastvideo import training
+    from fastvideo import policy
     from fastvideo.parallel import full_state_dict
 
     info = distributed.init_distributed("cpu")
@@ -177,7 +177,7 @@ def load(model_dir: str, how: str, kl: bool, fsdp_version: int, strategy: str, l
     baseline = _rss_mib()
     _reset_peak()
     if how == "new":
-        policy = training.build_policy(args, info.device, need_reference=kl)
+        policy = policy.build_policy(args, info.device, need_reference=kl)
         model = policy.model
     else:  # what build_policy did before: every rank loads the whole fp32 model, then shards it
         import copy
@@ -199,11 +199,11 @@ def load(model_dir: str, how: str, kl: bool, fsdp_version: int, strategy: str, l
 
 def export(model_dir: str, fsdp_version: int) -> None:
     """Peak RSS increase of each rank while gathering the full state dict for export (rank 0 keeps it)."""
-    from fastvideo import training
+    from fastvideo import policy
     from fastvideo.parallel import full_state_dict
 
     info = distributed.init_distributed("cpu")
-    model = training.build_policy(_policy_args(model_dir, fsdp_version), info.device, need_reference=False).model
+    model = policy.build_policy(_policy_args(model_dir, fsdp_version), info.device, need_reference=False).model
     distributed.barrier()
     baseline = _rss_mib()
     _reset_peak()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastvideo import distributed as D  # noqa: E402
 from fastvideo import parallel, training, weights  # noqa: E402
+from fastvideo.policy import Policy  # noqa: E402
 from fastvideo.models import flux  # noqa: E402
 from fastvideo.data import EmbeddingDataset  # noqa: E402
 from fastvideo.losses import grpo_loss  # noqa: E402
@@ -56,7 +57,7 @@ def build_unsharded(model_dir: str) -> torch.nn.Module:
 def trainer(model: torch.nn.Module) -> training.Run:
     """A real ``training.Run`` around ``model`` (full fine-tune: gradients reduced on every backward, as
     --gradient_sync auto), for its ``backward``; ``dist`` is the current layout (its sp_size is the loss factor)."""
-    policy = training.Policy(model=model, is_lora=False, frozen_ref=None, ema=None, config={})
+    policy = Policy(model=model, is_lora=False, frozen_ref=None, ema=None, config={})
     return training.Run(args=argparse.Namespace(), dist=D.info(), counts={}, config={}, resume_dir=None, noise=None,
                         amp_dtype=None, policy=policy, sync_every_backward=True)
 

@@ -1,0 +1,17 @@
+"""The flag field of every component's options dataclass (``opt``) and the one-line check that refuses a bad value
+(``need``): the pieces a component needs to own its flags without importing the parser (``config.py``)."""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field that carries its argparse help (and choices/nargs/action) in metadata."""
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+def need(cond: bool, message: str) -> None:
+    """ValueError(message) unless ``cond``: a flag's value refused with the fix named."""
+    if not cond:
+        raise ValueError(message)
