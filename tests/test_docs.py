@@ -36,7 +36,8 @@ arguments) must run each ``python -m pytest ...`` command with exactly those arg
 extras setup.py has, and ``.ci/run`` must make a venv and pip install the package with -e.
 
 The links of every page (relative files, ``#anchors`` by GitHub's rules) must resolve, docs/README.md and README.md
-must link every page, and README.md stays within 300 lines.
+must link every page, README.md stays within 150 lines, and docs/config.md's recipe table lists every
+``scripts/recipes/*.yaml``.
 
 ``python tests/test_docs.py --collect-options TARGETS_JSON`` is this file's helper process: it prints the option
 strings of each script's or module's argparse parser (captured at ``--help``), so a parse check imports torch once.
@@ -59,14 +60,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-README_MAX_LINES = 300
+README_MAX_LINES = 150
 COMMAND_LANGS = {"bash", "sh", "shell"}
 MARKER_RE = re.compile(r"^\s*<!--\s*doc-test:(.*?)-->\s*$")
 FENCE_RE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 RUN_KEYS = {"id", "after", "append", "to", "parse-only", "cover", "cost"}
 # env vars of a process, not of a launcher: accepted as prefixes of any command
 PROCESS_ENV = {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "WANDB_MODE",
-               "MALLOC_MMAP_THRESHOLD_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "HF_HUB_OFFLINE"}
+               "MALLOC_MMAP_THRESHOLD_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "HF_HUB_OFFLINE",
+               "PYTHONPATH"}
 SHELL_OPS = {"&&", "||", ";", "|", "&"}
 
 
@@ -836,6 +838,34 @@ def test_every_page_is_linked():
 def test_readme_length():
     n = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail to docs/"
+
+
+def test_config_md_lists_every_recipe():
+    """docs/config.md's recipe table (the ``## Recipes`` section) has one row per ``scripts/recipes/*.yaml``, and each row
+    names the trainer the file's first line names: a recipe added without a row, or a row for a missing file, fails."""
+    text = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    m = re.search(r"^## Recipes\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, "docs/config.md has no '## Recipes' section"
+    rows = [ln for ln in m.group(1).splitlines() if ln.startswith("|")]
+    listed: dict[str, str] = {}
+    problems = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        name = re.fullmatch(r"`([\w.-]+\.yaml)`", cells[0])
+        if not name:
+            continue  # the header and its rule
+        if name.group(1) in listed:
+            problems.append(f"docs/config.md lists {name.group(1)} twice")
+        listed[name.group(1)] = row
+    files = {p.name for p in (ROOT / "scripts" / "recipes").glob("*.yaml")}
+    problems += [f"scripts/recipes/{n} has no row in docs/config.md's recipe table" for n in sorted(files - set(listed))]
+    problems += [f"docs/config.md lists {n}, which is not in scripts/recipes/" for n in sorted(set(listed) - files)]
+    for n in sorted(files & set(listed)):
+        first = (ROOT / "scripts" / "recipes" / n).read_text(encoding="utf-8").splitlines()[0]
+        trainer = re.match(r"#\s*trainer:\s*(\S+)", first)
+        if trainer and trainer.group(1) not in listed[n].split("|")[2]:
+            problems.append(f"docs/config.md's row for {n} does not name its trainer {trainer.group(1)}")
+    assert not problems, "\n".join(problems)
 
 
 if __name__ == "__main__":
