@@ -33,6 +33,8 @@ Resume order in a trainer: build model -> add_lora -> shard_model -> optimizer/s
 from __future__ import annotations
 
 import errno
+import importlib
+import io
 import json
 import os
 import pickle
@@ -45,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fastvideo import distributed
@@ -178,7 +181,7 @@ def _trainable_only(model: nn.Module) -> bool:
 
 
 def _options(trainable_only: bool, strict: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # heavy
 
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=strict)
 
@@ -297,9 +300,9 @@ def save_checkpoint(
     ``optimizer.step()`` makes DCP initialise the optimizer state with a zero-lr step, which advances Adam's step
     counter: save after stepping.)
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    import torch.distributed.checkpoint as dcp  # heavy
+    from torch.distributed.checkpoint import FileSystemWriter  # heavy
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict  # heavy
 
     ckpt_dir = Path(ckpt_dir)
     if not _STEP_RE.match(ckpt_dir.name):
@@ -397,10 +400,10 @@ def load_checkpoint(
     FileNotFoundError when ``ckpt_dir`` is missing or incomplete; ValueError when it is damaged or does not match
     the model (e.g. a LoRA checkpoint into a full fine-tune).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    import torch.distributed.checkpoint as dcp  # heavy
+    from torch.distributed.checkpoint.api import CheckpointException  # heavy
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+                                                         set_state_dict)  # heavy
 
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
@@ -506,8 +509,6 @@ def _unpack_key(key: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def write_trainer_state(state: dict, stem: Path) -> None:
     """Write ``state`` as ``stem.json`` (structure) + ``stem.safetensors`` (its tensors), each fsynced."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     packed = _pack(state, tensors, "trainer_state")
     tensor_file = stem.with_name(stem.name + ".safetensors")
@@ -521,8 +522,6 @@ def read_trainer_state(stem: Path) -> dict:
     ``weights_only=True``, admitting only the NumPy types of a NumPy RNG state."""
     json_file = stem.with_name(stem.name + ".json")
     if json_file.is_file():
-        from safetensors.torch import load_file
-
         tensors = load_file(str(stem.with_name(stem.name + ".safetensors")))
         return _unpack(json.loads(json_file.read_text()), tensors)
     legacy = stem.with_name(stem.name + ".pt")
@@ -539,8 +538,6 @@ def read_trainer_state(stem: Path) -> dict:
 
 
 def _import_global(qualified: str) -> Any:
-    import importlib
-
     module, _, name = qualified.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
@@ -579,9 +576,7 @@ def _check_dcp_metadata(folder: Path) -> None:
 
 def _safe_load_planner():
     """DCP's default load planner, but its non-tensor entries are read with ``torch.load(weights_only=True)``."""
-    import io
-
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint import DefaultLoadPlanner  # heavy
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -595,7 +590,7 @@ def _safe_load_planner():
 
 
 def _dcp_load(state: dict, folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # heavy
 
     _check_dcp_metadata(folder)
     dcp.load(state, checkpoint_id=str(folder), planner=_safe_load_planner())

@@ -46,7 +46,9 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors.torch import load_file
 
+from fastvideo.plot import read_rows
 from fastvideo.record import load_image, read_jsonl
 
 STAGES = ("rollout", "reward", "train")
@@ -79,8 +81,6 @@ class Recording:
 
     @classmethod
     def load(cls, root: str | Path) -> "Recording":
-        from safetensors.torch import load_file
-
         root = Path(root)
         if not (root / "manifest.json").is_file():
             raise FileNotFoundError(f"{root}: no manifest.json; pass a folder written with --record_dir (or two score "
@@ -227,10 +227,10 @@ def print_table(a: Recording, b: Recording, diffs: list[StepDiff], per_image: bo
 
 def plot(a: Recording, b: Recording, diffs: list[StepDiff], path: Path, args: argparse.Namespace) -> None:
     """Reward curves of both runs, the per-step relative differences (log scale) and the images' PSNR."""
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     steps = [d.step for d in diffs]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
@@ -284,8 +284,6 @@ class RunLog:
 
     @classmethod
     def load(cls, root: str | Path) -> "RunLog":
-        from fastvideo.plot import read_rows
-
         root = Path(root)
         steps: dict[int, dict[str, float]] = {}
         for row in read_rows(root):  # a resumed run's log holds each step once; a repeated step's last line wins
@@ -433,10 +431,10 @@ def plot_run_diffs(a: RunLog, b: RunLog, metrics: Sequence[str], diffs: list[Run
                    args: argparse.Namespace) -> None:
     """Both runs' reward curves (train solid, eval dashed) and the compared metrics' relative differences (log scale,
     their tolerances dotted)."""
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for run, label, style in ((a, "A", "-"), (b, "B", "--")):
@@ -525,10 +523,10 @@ def compare_scores(path_a: Path, path_b: Path, args: argparse.Namespace) -> int:
         if comp == "total":
             worst_total = max(rels)
     if args.plot:
-        import matplotlib
+        import matplotlib  # heavy
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # heavy
 
         fig, ax = plt.subplots(figsize=(5, 5))
         xs, ys = [float(a[n]["total"]) for n in names], [float(b[n]["total"]) for n in names]

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from fastvideo import devices, distributed, models
 from fastvideo.weights import check_weight_files, read_safetensors_header, resolve_inside
@@ -214,8 +216,6 @@ class EmbeddingWriter:
 
     @staticmethod
     def _shard_header(path: Path) -> dict:
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as fh:
                 return dict(fh.metadata() or {})
@@ -267,8 +267,6 @@ class EmbeddingWriter:
 
     def write_shard(self, shard: ShardSpec, tensors: dict[str, torch.Tensor], truncated: list[bool]) -> Path:
         """Write one shard: one ``(n, ...)`` tensor per embedding key (floating ones in the store dtype); atomic."""
-        from safetensors.torch import save_file
-
         n = shard.num_prompts
         if len(truncated) != n:
             raise ValueError(f"shard {shard.file} expects {n} truncation flags, got {len(truncated)}")
@@ -297,8 +295,6 @@ class EmbeddingWriter:
 
     def write_negative(self, tensors: dict[str, torch.Tensor]) -> Path:
         """Write the negative prompt's embeddings (one row per key) to ``negative.safetensors``; atomic."""
-        from safetensors.torch import save_file
-
         tensors = self._tensors(tensors, 1, NEGATIVE_FILE)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / NEGATIVE_FILE
@@ -309,8 +305,6 @@ class EmbeddingWriter:
 
     def finalize(self) -> dict[str, Any]:
         """Rank 0, after every shard is written: check them, drop stale files, write the manifest."""
-        from safetensors import safe_open
-
         missing = [s.file for s in self.shards if not self.is_complete(s)]
         if missing:
             raise RuntimeError(f"shards {missing[:5]} are missing or stale after encoding (internal error)")
@@ -544,8 +538,6 @@ class EmbeddingDataset:
     def _handle(self, file: str):
         handle = self._handles.get(file)
         if handle is None:
-            from safetensors import safe_open
-
             handle = safe_open(str(self.root / file), framework="pt")
             self._handles[file] = handle
         return handle
@@ -583,8 +575,6 @@ class EmbeddingDataset:
     def negative_rows(self) -> dict[str, torch.Tensor]:
         """The negative prompt's embeddings, ``(1, ...)`` per key (``negative.safetensors``), read from disk once and
         kept (every ``get_batch`` of a --cfg_scale run needs them)."""
-        from safetensors.torch import load_file
-
         if self._negative is None:
             info = self.manifest.get("negative")
             if not info:

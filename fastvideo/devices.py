@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import platform
 import resource
 import sys
 from pathlib import Path
@@ -240,8 +241,6 @@ def deterministic_switches() -> list[str]:
 
 def device_name(device: torch.device | str) -> str:
     """A readable name of the device (e.g. "NVIDIA H100 80GB HBM3", "Ascend910B3", "x86_64 CPU")."""
-    import platform
-
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

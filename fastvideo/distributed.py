@@ -285,7 +285,7 @@ def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | N
     (device type, shape, names) for the whole run: every ``init_device_mesh`` builds new process groups (NCCL
     communicators, each with its own buffers), and the policy, the frozen reference and the old policy are sharded
     alike. ``cleanup`` forgets them."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # heavy
 
     dev_type = info().device.type
     if shape is None:

@@ -14,7 +14,7 @@ from fastvideo.parallel import named_trainable_parameters, reshard
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (an alias, under no_grad), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy
 
     return t._local_tensor if isinstance(t, DTensor) else t
 

@@ -8,6 +8,7 @@ images whatever the ranks, batch size or model (base vs tuned: same noise, the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -78,8 +79,6 @@ def ode_images(model: torch.nn.Module, vae: torch.nn.Module, dataset: Any, promp
     """Images (B, 3, H, W) in [0, 1] of (prompt id, sample index) pairs, sampled with the deterministic Euler ODE of
     ``cfg`` (a ``rollout.RolloutConfig``; its noise settings are overridden) from ``noise``'s step-0 initial noise; the
     model runs in eval mode (restored after)."""
-    import dataclasses
-
     cfg = dataclasses.replace(cfg, eta=0.0, solver="euler", sde_window_size=0, init_same_noise=False)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dataset.get_batch(prompt_ids).items()}
     was_training = model.training
@@ -237,7 +236,7 @@ def compare_grid(base: dict[str, Any], base_dir: Path, rows: list[dict], out: Pa
     """OUT/compare.png: one row per prompt (the first ``max_prompts`` both runs sampled), its prompt, then the base
     run's images and this run's of the same (prompt, image index) -- the same noise -- with each image's total reward
     when scored; images are shown 192 to 384 px wide."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # heavy
 
     mine = {(r["prompt_id"], r["sample_index"]): r for r in rows}
     theirs = {(r["prompt_id"], r["sample_index"]): r for r in base["rows"]}

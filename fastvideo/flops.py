@@ -26,7 +26,7 @@ from fastvideo.models.base import model_config, unwrap_model
 
 def _cpu_flash_mapping() -> dict:
     """FlopCounterMode formulas for the CPU flash-attention ops, which torch's table lacks (same count as its sdpa)."""
-    from torch.utils import flop_counter as fc
+    from torch.utils import flop_counter as fc  # heavy
 
     def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
         return fc.sdpa_flop_count(query, key, value)
@@ -41,7 +41,7 @@ def _cpu_flash_mapping() -> dict:
 
 def counted_flops(fn: Callable[[], Any]) -> int:
     """FLOPs that ``fn()`` executes, by ``torch.utils.flop_counter`` (with the CPU flash-attention ops counted)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode  # heavy
 
     with FlopCounterMode(display=False, custom_mapping=_cpu_flash_mapping()) as counter:
         fn()

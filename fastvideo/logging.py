@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from tqdm.auto import tqdm
 
 from fastvideo import devices
 from fastvideo.options import opt
@@ -94,7 +96,7 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_image(tag, grid.clamp(0, 1), step)
         if self._wandb is not None:
-            import wandb
+            import wandb  # optional
 
             array = grid.clamp(0, 1).mul(255).add(0.5).to(torch.uint8).permute(1, 2, 0).numpy()
             self._wandb.log({tag: wandb.Image(array)}, step=step)
@@ -115,8 +117,6 @@ def _init_wandb(output_dir: Path, project: str, config: dict, resuming: bool, mo
     id_file = output_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
     if run_id is None:
-        import secrets
-
         run_id = secrets.token_hex(4)  # W&B run ids are short [a-z0-9] strings
         id_file.write_text(run_id + "\n")
     kwargs = {"mode": mode} if mode else {}  # unset: W&B reads WANDB_MODE itself (offline clusters set it there)
@@ -132,7 +132,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> torch.Tensor:
     """Save images (B,3,H,W) in [0,1] as one PNG grid (``nrow`` images per row; default: a square); returns the grid
     (3, H', W') for ``MetricsLogger.log_image``."""
-    from torchvision.utils import make_grid, save_image
+    from torchvision.utils import make_grid, save_image  # heavy
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +160,6 @@ def current_memory_gb(device: torch.device | str, import_model_libraries: bool =
 
 def progress_bar(total: int, initial: int, enabled: bool, desc: str = "train"):
     """A tqdm bar on rank 0 (a no-op object elsewhere)."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
 
 

@@ -12,6 +12,7 @@ Typical use (the adapter is added before ``shard_model``; every rank adds it wit
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import re
 import warnings
@@ -51,7 +52,7 @@ def check_target_modules(model: nn.Module, target_modules: list[str]) -> None:
     """ValueError (listing module names that do exist) if a ``--lora_target_modules`` entry matches no linear layer of
     ``model``; matched as peft matches a list: a module name equal to the entry or ending in ``.entry``. Works on a
     meta-device model, so it runs before any weight is read."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # heavy
 
     modules = dict(model.named_modules())
     adapted = [name for name, module in modules.items() if isinstance(module, BaseTunerLayer)]  # a second adapter
@@ -91,7 +92,7 @@ def add_lora(
     ``weights.fill_local_shards`` after ``shard_model``. Call before ``shard_model``. Returns ``transformer``
     (modified in place).
     """
-    from peft import LoraConfig
+    from peft import LoraConfig  # heavy
 
     if rank < 1:
         raise ValueError(f"--lora_rank must be a positive integer, got {rank}")
@@ -164,7 +165,7 @@ def _uniform(shape: tuple[int, ...], bound: float, seed: int, name: str) -> torc
 
 
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # heavy
 
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
@@ -298,8 +299,6 @@ def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_nam
     """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any folder the family's pipeline
     ``load_lora_weights`` takes) to the transformer the way that pipeline's ``load_lora_weights`` does (alpha from its
     metadata); ValueError for LoRA weights of other components (prompts are encoded without them)."""
-    import inspect
-
     pipeline = models.family_of(model).pipeline_class()
     # FLUX.1's loader also returns network alphas; SD3's, Qwen-Image's and FLUX.2's keep alpha in the metadata only
     with_alphas = "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters

@@ -168,7 +168,7 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 @contextmanager
 def _meta_measurement() -> Iterator[_LiveBytes]:
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # heavy
 
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _flash_sdpa
@@ -238,7 +238,7 @@ def vae_decode_bytes(vae_config: dict, batch: int, latent_h: int, latent_w: int,
     VAE class through its own ``decode`` of packed latents."""
     config = {k: v for k, v in vae_config.items() if not k.startswith("_")}
     if family is None:
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # heavy
 
         cls = AutoencoderKL
     else:

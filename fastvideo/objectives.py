@@ -13,8 +13,7 @@ from fastvideo.advantages import AdvantageOptions, GroupOptions
 from fastvideo.config import DPO_ONLINE_ONLY, build_parser, field_defaults, parse_with_config, validate_common
 from fastvideo.evaluation import EvalOptions
 from fastvideo.logging import LoggingOptions
-from fastvideo.losses import POLICY_LOSSES
-from fastvideo.losses import policy_loss_sde_refusal
+from fastvideo.losses import POLICY_LOSSES, policy_loss_sde_refusal
 from fastvideo.memory import PlanOptions
 from fastvideo.models import ModelOptions
 from fastvideo.options import need, opt

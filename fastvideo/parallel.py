@@ -59,7 +59,7 @@ leaves the gathered (unsharded) tensors registered after a forward, and an optim
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -107,7 +107,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def fsdp_version_of(model: nn.Module) -> int:
     """2 for a ``fully_shard`` model, 1 for a FullyShardedDataParallel wrapper, 0 for a plain module."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # heavy
 
     if isinstance(model, FullyShardedDataParallel):
         return 1
@@ -124,7 +124,7 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
         # which both FSDP versions support.
         model.enable_gradient_checkpointing()
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing  # heavy
 
     classes = block_classes(model)
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, classes))
@@ -213,7 +213,7 @@ def check_sequence_parallel(sp_size: int, num_heads: int, image_tokens: int) -> 
     not divisible by it (diffusers splits the image sequence evenly; text tokens are padded instead)."""
     if sp_size == 1:
         return
-    import diffusers
+    import diffusers  # heavy
 
     if not hasattr(diffusers, "ContextParallelConfig"):
         raise ValueError(f"--sp_size {sp_size} needs diffusers' ContextParallelConfig (diffusers >= 0.36; this is "
@@ -235,9 +235,7 @@ def enable_sequence_parallel(model: nn.Module, sp_size: int) -> None:
     and gathers the output (its backward keeps each rank's own tokens' share: the SP ranks' parameter gradients are
     partial and sum to the whole). Text embeddings must come padded to a multiple of ``sp_size``
     (the FLUX adapter's ``predict_velocity`` does it)."""
-    from contextlib import contextmanager
-
-    from diffusers import ContextParallelConfig
+    from diffusers import ContextParallelConfig  # heavy
 
     inner = unwrap_model(model)
     check_sequence_parallel(sp_size, inner.config.num_attention_heads, 0)
@@ -278,7 +276,7 @@ def memory_flag_problems(world_size: int, device_type: str, cpu_offload: bool, c
 
 
 def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size):
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # heavy
 
     if sharding_strategy == "hybrid_full":
         shape = _hybrid_shape(world, hybrid_shard_size)
@@ -307,9 +305,9 @@ def _shard_fsdp2(model, world, device, sharding_strategy, mixed_precision, cpu_o
 
 def _shard_fsdp1(model, world, device, sharding_strategy, mixed_precision, cpu_offload, hybrid_shard_size,
                  on_meta=False):
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy  # heavy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # heavy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # heavy
 
     strategy = {"full": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
                 "no_shard": ShardingStrategy.NO_SHARD, "hybrid_full": ShardingStrategy.HYBRID_SHARD}[sharding_strategy]
@@ -395,7 +393,7 @@ def reshard(model: nn.Module) -> None:
     Needed before code that edits the sharded parameters in place (EMA swap, loading weights) after a no-grad
     forward under ``reshard_after_forward=False``.
     """
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -417,7 +415,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False)
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # heavy
 
     if isinstance(total, DTensor):
         total = total.full_tensor()
@@ -451,7 +449,7 @@ def full_state_dict(model: nn.Module, *, trainable_only: bool = False,
     gather. A collective: call it on every rank. The returned tensors are copies (safe to keep while training
     continues).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # heavy
 
     version = fsdp_version_of(model)
     frozen = {name for name, p in clean_named_parameters(model) if not p.requires_grad} if trainable_only else set()
@@ -485,7 +483,7 @@ def _fsdp1_full_state_dict(model: nn.Module, skip: set[str], dtype: torch.dtype 
     offload, segfaults when the parameters live on the CPU.) Units whose parameters are all in ``skip`` (frozen
     under LoRA) are not gathered.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # heavy
 
     main = distributed.is_main_process()
     out: dict[str, torch.Tensor] = {}

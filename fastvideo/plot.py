@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from fastvideo.record import read_jsonl
+from fastvideo.rewards import REWARD_NAMES
+
 # (panel title, metric keys); eval keys (logged at step 0 = the baseline, then every N steps) are drawn dashed.
 PLOTTED: tuple[tuple[str, list[str]], ...] = (
     ("reward", ["reward_mean", "eval/reward_mean", "eval_total"]),
@@ -31,7 +34,6 @@ def read_rows(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: pass a trainer's --output_dir")
-    from fastvideo.record import read_jsonl
 
     return [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
 
@@ -50,8 +52,6 @@ def series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
 def panels(rows_by_run: Sequence[Sequence[dict]]) -> list[tuple[str, list[str]]]:
     """(title, keys) of the ``PLOTTED`` panels that have data in at least one run, then one panel per --eval_reward
     reward logged (``eval/<name>``, titled so; drawn as eval keys)."""
-    from fastvideo.rewards import REWARD_NAMES
-
     shown = [(title, keys) for title, keys in PLOTTED if any(series(rows, k)[0] for rows in rows_by_run for k in keys)]
     extra = [f"eval/{name}" for name in REWARD_NAMES]
     return shown + [(key, [key]) for key in extra if any(series(rows, key)[0] for rows in rows_by_run)]
@@ -85,10 +85,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, names: Sequence[s
     if not titles:
         plotted = sorted({k for _, keys in PLOTTED for k in keys})
         raise ValueError(f"no run in {[str(d) for d in run_dirs]} has any of the plotted metrics {plotted}")
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     ncols = min(COLUMNS, len(titles))
     nrows = math.ceil(len(titles) / ncols)

@@ -189,7 +189,7 @@ def build_optimizer(policy: Policy, args: argparse.Namespace) -> torch.optim.Opt
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace, total_optimizer_steps: int):
     """constant_with_warmup | cosine | constant, stepped once per optimizer step."""
-    from diffusers.optimization import get_scheduler
+    from diffusers.optimization import get_scheduler  # heavy
 
     return get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
                          num_training_steps=total_optimizer_steps)

@@ -28,9 +28,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fastvideo import distributed, models
-from fastvideo.data import atomic_write_text, publish_file
+from fastvideo.data import EmbeddingDataset, atomic_write_text, publish_file
+from fastvideo.record import load_image
+from fastvideo.rewards import build_reward
+from fastvideo.rollout import RolloutConfig, rollout
+from fastvideo.seeding import NoiseSource
+from fastvideo.weights import path_inside
 
 FORMAT_VERSION = 1
 CACHE_RECORD = "cache.json"
@@ -55,9 +62,7 @@ class PreferencePair:
 # ------------------------------------------------------------------------------------------- pair file
 def _check_image(root: Path, value: Any, height: int, width: int) -> tuple[Path | None, str]:
     """(resolved path, "") for a readable image of ``width`` x ``height`` inside ``root``; else (None, problem)."""
-    from PIL import Image
-
-    from fastvideo.weights import path_inside
+    from PIL import Image  # heavy
 
     path, problem = path_inside(root, value, "the pair file's folder")
     if path is None:
@@ -175,8 +180,6 @@ def read_preference_file(path: str | os.PathLike, prompts: list[str], height: in
 # ---------------------------------------------------------------------------------------- latent cache
 def load_images(paths: Sequence[Path], height: int, width: int) -> torch.Tensor:
     """Images at ``paths`` as RGB float32 (B, 3, H, W) in [0, 1]; ValueError if one is not ``width`` x ``height``."""
-    from fastvideo.record import load_image
-
     images = []
     for path in paths:
         image = load_image(path)
@@ -265,8 +268,6 @@ class LatentCache:
 
     def is_complete(self, chunk: int) -> bool:
         """True when the chunk file exists and its header names this record and this chunk's rows."""
-        from safetensors import safe_open
-
         try:
             with safe_open(str(self.chunk_path(chunk)), framework="pt") as fh:
                 header = dict(fh.metadata() or {})
@@ -298,8 +299,6 @@ class LatentCache:
             atomic_write_text(self.cache_dir / CACHE_RECORD, json.dumps(self.record, indent=1) + "\n")
 
     def _write_chunk(self, chunk: int, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
-        from safetensors.torch import save_file
-
         path = self.chunk_path(chunk)
         tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
         save_file({"chosen": chosen.contiguous(), "rejected": rejected.contiguous()}, str(tmp),
@@ -346,8 +345,6 @@ class LatentCache:
     def _handle(self, chunk: int) -> Any:
         handle = self._handles.get(chunk)
         if handle is None:
-            from safetensors import safe_open
-
             if not self.is_complete(chunk):
                 raise RuntimeError(f"latent cache chunk {self.chunk_path(chunk)} is missing or stale: run "
                                    "prepare()/build() before load() (internal error)")
@@ -374,7 +371,7 @@ class LatentCache:
 # ------------------------------------------------------------------------------------------- demo pairs
 def _save_png(image: torch.Tensor, path: Path) -> None:
     """(3, H, W) in [0, 1] -> 8-bit RGB PNG, rounded as the rewards quantise (so a re-scored PNG scores the same)."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     pixels = image.float().mul(255.0).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).cpu().numpy()
     Image.fromarray(pixels).save(path)
@@ -389,11 +386,6 @@ def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.Path
 
     Gives offline DPO a pair file without downloads. Each line also records ``chosen_reward``/``rejected_reward``.
     """
-    from fastvideo.data import EmbeddingDataset
-    from fastvideo.rewards import build_reward
-    from fastvideo.rollout import RolloutConfig, rollout
-    from fastvideo.seeding import NoiseSource
-
     dataset = EmbeddingDataset(data_json_path)
     if not 1 <= num_pairs <= len(dataset):
         raise ValueError(f"--num_pairs {num_pairs} must be in [1, {len(dataset)}] (the prompts in "

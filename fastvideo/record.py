@@ -20,15 +20,20 @@ Random draws are keyed exactly like ``seeding.NoiseSource`` keys them (docs/desi
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import platform
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fastvideo import devices
 from fastvideo import distributed as D
@@ -61,7 +66,7 @@ def draw_key(kind: str, purpose: str, prompt_id: int, sample_index: int) -> str:
 
 def save_png(image: torch.Tensor, path: Path) -> None:
     """One (3, H, W) image in [0, 1] as an 8-bit PNG (rounded to nearest, like torchvision's save_image)."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     array = image.detach().float().cpu().clamp(0, 1).mul(255).add(0.5).floor().to(torch.uint8)
     Image.fromarray(array.permute(1, 2, 0).numpy()).save(path)
@@ -69,8 +74,7 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 def load_image(path: Path) -> torch.Tensor:
     """An image file (PNG, JPEG, ...) as RGB (3, H, W) float32 in [0, 1]."""
-    import numpy as np
-    from PIL import Image
+    from PIL import Image  # heavy
 
     with Image.open(path) as img:
         array = np.asarray(img.convert("RGB"), dtype=np.uint8)
@@ -96,8 +100,6 @@ def _append_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 def environment(device: torch.device, compute_dtype: torch.dtype | None) -> dict:
     """What a recording says about where it was made: library versions, git commit, device and compute dtype."""
-    import importlib.metadata as md
-
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist_name in ("diffusers", "transformers", "peft", "open_clip_torch", "torch_npu", "safetensors", "numpy"):
         try:
@@ -146,8 +148,6 @@ class Recorder:
         """Create the folder (rank 0 writes the manifest); when it continues its own recording (a resumed or
         restarted run), forget what was recorded after ``resume_step`` so the recording reads as one uninterrupted
         run. Collective-free: every rank's later writes follow collectives of model loading."""
-        import shutil
-
         self.root.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             for folder in self.root.glob("step-*"):
@@ -187,8 +187,6 @@ class Recorder:
                  grad_norms: Sequence[float]) -> None:
         """Write the step: its draws and tensors (safetensors), samples, per-update losses and grad norms (JSONL), the
         metrics (rank 0). Draws of other steps made during it (none in the trainers) are written with their step."""
-        from safetensors.torch import save_file
-
         if not self.records(step):
             self.draws.pop(int(step), None)
             return
@@ -266,8 +264,6 @@ class Replay:
     def _keys(self, step: int) -> dict[str, Path]:
         """key -> the file holding it, over every rank's draws of ``step`` (read from the headers only)."""
         if step not in self._index:
-            from safetensors import safe_open
-
             index: dict[str, Path] = {}
             for path in sorted(step_dir(self.root, step).glob("draws-rank*.safetensors")):
                 with safe_open(str(path), "pt") as f:
@@ -283,8 +279,6 @@ class Replay:
     def draw(self, kind: str, step: int, prompt_id: int, sample_index: int, purpose: str,
              shape: Sequence[int]) -> torch.Tensor:
         """The recorded draw for this key (ValueError when it is missing or has another shape)."""
-        from safetensors import safe_open
-
         key = draw_key(kind, purpose, prompt_id, sample_index)
         keys = self._keys(step)
         if key not in keys:

@@ -4,6 +4,7 @@ and run-defining flags: ``RESUME_KEYS``, the fingerprint ``run_identity``), what
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +119,6 @@ def _flag_value(key: str, value: Any) -> Any:
 def run_identity(config: dict) -> dict:
     """What a checkpoint's meta.json records of its run: the algorithm, the run-defining flags (``resume_keys``) and
     their fingerprint (SHA-256 of their JSON)."""
-    import hashlib
-
     flags = {k: _flag_value(k, config.get(k)) for k in resume_keys(config)
              if not (k in LATER_RESUME_KEYS and _inert(k, config))}
     digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()

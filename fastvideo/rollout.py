@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fastvideo import devices, flops, models
+from fastvideo.losses import flow_matching_error
 from fastvideo.options import need, opt
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
@@ -479,8 +480,6 @@ def pair_errors(transformer: torch.nn.Module, x0_w: torch.Tensor, x0_l: torch.Te
     """Flow-matching errors ``mean((v_hat - (ε - x0))²)`` (b,) of the winners ``x0_w`` and losers ``x0_l`` (b, L, C),
     both noised with the pair's own ``eps`` (b, L, C) and ``sigma`` (b,), in one model call of 2b rows. ``batch``:
     the b pairs' prompt embeddings on the model's device."""
-    from fastvideo.losses import flow_matching_error
-
     b = x0_w.shape[0]
     twice = lambda t: torch.cat([t, t])  # noqa: E731  (winners, then losers: the same draws)
     cond = {k: twice(batch[k]) for k in models.family_of(transformer).embedding_keys}

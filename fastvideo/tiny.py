@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gzip
+import importlib
 import json
 import math
 import os
@@ -207,7 +208,7 @@ PRESETS: dict[str, TinyPreset] = {
 @functools.lru_cache(maxsize=1)
 def _open_clip_merges() -> tuple[str, ...]:
     """The 48894 BPE merges of open_clip's ``bpe_simple_vocab_16e6.txt.gz`` (what SimpleTokenizer uses)."""
-    import open_clip
+    import open_clip  # optional
 
     path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
     if not path.is_file():
@@ -218,7 +219,7 @@ def _open_clip_merges() -> tuple[str, ...]:
 
 def _clip_vocab(merges: tuple[str, ...]) -> dict[str, int]:
     """CLIP's token -> id map, in open_clip's order (bytes, bytes+</w>, merges, bos, eos)."""
-    from open_clip.tokenizer import bytes_to_unicode
+    from open_clip.tokenizer import bytes_to_unicode  # optional
 
     byte_chars = list(bytes_to_unicode().values())
     tokens = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m.split()) for m in merges]
@@ -229,7 +230,7 @@ def _clip_vocab(merges: tuple[str, ...]) -> dict[str, int]:
 
 def save_clip_tokenizer(out_dir: str | os.PathLike) -> Path:
     """Write the real CLIP BPE tokenizer (vocab.json, merges.txt, tokenizer.json) built from open_clip's vocab."""
-    from transformers import CLIPTokenizer
+    from transformers import CLIPTokenizer  # heavy
 
     out = Path(out_dir)
     merges = _open_clip_merges()
@@ -280,7 +281,7 @@ def _t5_pieces(vocab_size: int = T5_VOCAB_SIZE) -> list[tuple[str, float]]:
 
 def save_t5_tokenizer(out_dir: str | os.PathLike, vocab_size: int = T5_VOCAB_SIZE) -> Path:
     """Write a small T5 tokenizer (tokenizer.json; pad 0, eos </s> 1, unk 2) loadable by T5TokenizerFast."""
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # heavy
 
     tok = T5TokenizerFast(vocab=_t5_pieces(vocab_size), extra_ids=0, model_max_length=512)
     tok.save_pretrained(Path(out_dir))
@@ -289,8 +290,8 @@ def save_t5_tokenizer(out_dir: str | os.PathLike, vocab_size: int = T5_VOCAB_SIZ
 
 def _build_components(p: TinyPreset, seed: int) -> dict:
     """Instantiate every model of the preset, each from its own derived seed, in eval mode."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel  # heavy
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel  # heavy
 
     def seeded(name: str) -> None:
         torch.manual_seed(derive_seed(seed, "tiny-flux", p.name, name))
@@ -386,7 +387,7 @@ def _build_components(p: TinyPreset, seed: int) -> dict:
 
 def _model_index() -> dict:
     """FLUX.1-dev's model_index.json (component -> (library, class))."""
-    import diffusers
+    import diffusers  # heavy
 
     return {
         "_class_name": "FluxPipeline",
@@ -465,8 +466,8 @@ def build_tiny_flux(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
 
 def _write_flux_dev_config_folder(tmp: Path) -> None:
     """Save FLUX.1-dev's configs (no weights) into ``tmp``; models are built on the meta device, so no memory."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, T5Config
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel  # heavy
+    from transformers import CLIPTextConfig, T5Config  # heavy
 
     # Instantiating (on meta) lets diffusers fill in and serialise the config exactly as save_pretrained would.
     with torch.device("meta"):
@@ -529,8 +530,6 @@ write_atomically = _write_atomically  # the family modules' builders use it
 def build_preset(out_dir: str | os.PathLike, preset: str, seed: int = 0) -> Path:
     """Write any preset's folder (FLUX.1 tiny/bench, flux-dev-config, or a family preset) to ``out_dir``."""
     if preset in FAMILY_PRESETS:
-        import importlib
-
         target = FAMILY_PRESETS[preset][0]
         module, _, function = target.partition(":")
         return getattr(importlib.import_module(module), function)(out_dir, seed)
@@ -554,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed => same files)")
     args = parser.parse_args(argv)
     if args.preset == "hps-tiny":
-        from fastvideo.rewards.hpsv2 import build_tiny_hps
+        from fastvideo.rewards.hpsv2 import build_tiny_hps  # optional: the reward package, for --preset hps-tiny
 
         path = build_tiny_hps(args.out, seed=args.seed)
     else:

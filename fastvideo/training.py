@@ -425,8 +425,6 @@ class Run:
         """Clip the gradient norm, step optimizer + schedule + EMA (skipped, and counted, when the norm is not
         finite: a NaN/inf loss or gradient; ``end_step`` stops the run after more than --max_consecutive_skips in a
         row), zero the gradients; returns the norm before clipping."""
-        import math
-
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
         grad_norm = parallel.clip_grad_norm(self.policy.model, max_norm)
         self.step_grad_norms.append(grad_norm)

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from fastvideo.parallel import clean_name, fsdp_version_of
+
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -204,13 +206,11 @@ class LocalPiece:
 
 def local_pieces(model: nn.Module) -> Iterator[LocalPiece]:
     """Each parameter/buffer's local part (clean names, as in the diffusers state dict) on this rank."""
-    from fastvideo.parallel import clean_name, fsdp_version_of
-
     if fsdp_version_of(model) == 1:
         yield from _fsdp1_pieces(model)
         return
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor  # heavy
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # heavy
 
     named = [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in named:
@@ -233,9 +233,7 @@ def local_pieces(model: nn.Module) -> Iterator[LocalPiece]:
 
 def _fsdp1_pieces(model: nn.Module) -> Iterator[LocalPiece]:
     """FSDP1 (use_orig_params): each FlatParameter shard holds flat slices of its original parameters."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from fastvideo.parallel import clean_name
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # heavy
 
     owned: set[str] = set()
     for module_name, module in model.named_modules():

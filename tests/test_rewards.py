@@ -654,3 +654,17 @@ def test_reward_preprocessing_stays_on_the_device(tmp_path, tiny_hf_clip, tiny_h
     for name, scorer in scorers.items():
         assert torch.isfinite(scorer(images, PROMPTS[:2])).all(), name
     assert no_host_copies == []
+
+
+def test_every_reward_flag_is_declared_once_and_reaches_build_reward():
+    """The reward flags a trainer hands to ``build_reward`` are derived from the rewards' own declarations (files,
+    architecture flags, URL options, --reward_options): each is a keyword of ``build_reward`` and a RewardOptions flag,
+    and every such keyword of ``build_reward`` is one of them (a new reward's flag cannot be half wired)."""
+    import dataclasses
+    import inspect
+
+    from fastvideo.rewards import REWARD_PATH_FLAGS, RewardOptions
+
+    keywords = set(inspect.signature(build_reward).parameters) - {"spec", "device", "batch_size"}
+    assert set(REWARD_PATH_FLAGS) == keywords
+    assert set(REWARD_PATH_FLAGS) <= {f.name for f in dataclasses.fields(RewardOptions)}

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fastvideo import devices, distributed
 from fastvideo.models.base import config_get, model_config, model_dtype, unwrap_model
 
 NPU_ATTENTION_BACKEND = "_native_npu"  # diffusers' AttentionBackendName._NATIVE_NPU: torch_npu.npu_fusion_attention
@@ -65,7 +66,7 @@ def _probe_attention(name: str, device: torch.device, dtype: torch.dtype, head_d
     """Run the backend once on a tiny (1, 8, 2, head_dim) q/k/v, all three in ``dtype``: what the model passes
     (``ComputeDtypeRMSNorm`` keeps q/k in v's dtype, the compute dtype), so kernels that load but cannot run these
     inputs here raise now."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.attention_dispatch import dispatch_attention_fn  # heavy
 
     q, k, v = (torch.randn(1, 8, 2, head_dim, device=device, dtype=dtype) for _ in range(3))
     dispatch_attention_fn(q, k, v, backend=name)
@@ -77,8 +78,6 @@ def set_attention_backend(transformer: Any, name: str, device: torch.device | st
     replay alike); returns the backend in use. When the kernel or the hardware is unavailable (its package missing,
     not this device, not context-parallel capable under --sp_size, or a trial call fails), it falls back to
     ``native`` (torch SDPA) with one warning per process (rank 0 prints it). A CPU job always uses ``native``."""
-    from fastvideo import distributed
-
     model = unwrap_model(transformer)
     device = torch.device(device)
     reason = None
@@ -119,8 +118,6 @@ def choose_attention(model: Any, device: torch.device | str, param_dtype: torch.
     Qwen-Image): ``--attention_backend`` where given (``set_attention_backend``); with ``auto``, on an NPU its fused
     attention when the forward's weights (``param_dtype``, default the stored ones) are bf16/fp16, else SDPA; on
     cuda / cpu nothing. Returns the start-up log lines."""
-    from fastvideo import devices
-
     dtype = param_dtype or model_dtype(model)
     if attention_backend != "auto":
         used = set_attention_backend(model, attention_backend, device, dtype)

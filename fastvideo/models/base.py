@@ -195,7 +195,7 @@ class ModelFamily:
 
     def vae_class(self) -> type:
         """The diffusers VAE class of the family's ``vae/`` folder (the planner builds it on meta from its config)."""
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # heavy
 
         return AutoencoderKL
 

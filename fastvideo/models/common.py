@@ -40,7 +40,7 @@ class ComputeDtypeRMSNorm(torch.nn.RMSNorm):
 def _compute_dtype_diffusers_norm() -> type:
     """``ComputeDtypeDiffusersRMSNorm``: diffusers' own ``RMSNorm`` (the q/k norms of SD3.5 and Qwen-Image) with the
     same rounding, defined on first use (importing this module does not import diffusers)."""
-    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.normalization import RMSNorm  # heavy
 
     class ComputeDtypeDiffusersRMSNorm(RMSNorm):
         """diffusers' ``RMSNorm`` rounded back to its input's dtype: its float32 variance makes a bf16 input float32
@@ -58,7 +58,7 @@ def keep_attention_dtype(transformer: Any) -> int:
     """Make every ``torch.nn.RMSNorm`` a ``ComputeDtypeRMSNorm`` and every diffusers ``RMSNorm`` a
     ``ComputeDtypeDiffusersRMSNorm`` (in place: class swap, weights and names unchanged); returns how many were
     swapped. Every family's ``build_transformer`` and ``load_transformer`` call it."""
-    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+    from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # heavy
 
     swapped = 0
     for module in unwrap_model(transformer).modules():

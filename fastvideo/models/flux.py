@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from fastvideo import devices
-from fastvideo.parallel import text_length_refusal
 from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTION_BACKEND,  # noqa: F401
                                          choose_attention,
                                          attention_backend_names, attention_backend_of, check_attention_backend,
@@ -22,6 +21,7 @@ from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, 
                                     component_folder, config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.common import (LatentGeometry, _Float32Rope, decode, encode,  # noqa: F401
                                      hidden_and_text_tokens, keep_attention_dtype, latent_geometry, pack_latents, unpack_latents, vae_scale_factor)  # FLUX.1's too
+from fastvideo.parallel import text_length_refusal
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -55,7 +55,7 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32
                      device: str | torch.device = "cpu"):
     """Load the FluxTransformer2DModel of a FLUX folder (or a bare transformer folder) for training/sampling, adapted
     to ``device`` (``prepare_for_device``: float32 rotary embeddings and fused attention on an NPU)."""
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel  # heavy
 
     model = FluxTransformer2DModel.from_pretrained(_subfolder(path, "transformer"), torch_dtype=dtype,
                                                    local_files_only=True)
@@ -73,7 +73,7 @@ def transformer_folder(path: str | os.PathLike) -> Path:
 def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """The FluxTransformer2DModel of a FLUX folder's config.json on the meta device: shapes only, no memory, no
     weights read (the 12B path: shard it, then ``weights.load_safetensors_into``; or count its parameters)."""
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel  # heavy
 
     model = build_on_meta(FluxTransformer2DModel, transformer_folder(path), dtype)
     keep_attention_dtype(model)
@@ -82,7 +82,7 @@ def build_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.float3
 
 def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load the frozen AutoencoderKL of a FLUX folder (eval mode, no grad)."""
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL  # heavy
 
     vae = AutoencoderKL.from_pretrained(_subfolder(path, "vae"), torch_dtype=dtype, local_files_only=True)
     return vae.to(device).eval().requires_grad_(False)
@@ -105,7 +105,7 @@ class TextEncoders:
 def load_text_encoders(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu") -> TextEncoders:
     """Load only the tokenizers and text encoders of a FLUX folder (eval mode, no grad)."""
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # heavy
 
     folder = check_model_folder(path, TEXT_COMPONENTS)
     clip = CLIPTextModel.from_pretrained(folder / "text_encoder", dtype=dtype, local_files_only=True)
@@ -228,7 +228,7 @@ def vae_fingerprint(path: str | os.PathLike) -> str:
 
 def _make_float32_pos_embed_class() -> type:
     """Define ``Float32FluxPosEmbed`` (diffusers is imported only when it is first asked for)."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed  # heavy
 
     class Float32FluxPosEmbed(FluxPosEmbed):
         """diffusers' ``FluxPosEmbed`` computed in float32 only (Ascend NPUs have no float64), matching its float64
@@ -267,7 +267,7 @@ def __getattr__(name: str) -> Any:
 def use_float32_rope(transformer: Any) -> bool:
     """Replace the FLUX transformer's ``pos_embed`` (through wrappers) by ``Float32FluxPosEmbed``, for devices
     without float64; True if it swapped, False if it already was one."""
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed  # heavy
 
     cls = _float32_pos_embed_class()
     model = unwrap_model(transformer)
@@ -430,11 +430,11 @@ class Flux1(ModelFamily):
         return prepare_for_device(transformer, device, param_dtype=param_dtype, attention_backend=attention_backend)
 
     def pipeline_class(self) -> type:
-        from diffusers import FluxPipeline
+        from diffusers import FluxPipeline  # heavy
 
         return FluxPipeline
 
     def transformer_class(self) -> type:
-        from diffusers import FluxTransformer2DModel
+        from diffusers import FluxTransformer2DModel  # heavy
 
         return FluxTransformer2DModel

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def is_distilled(path: str | os.PathLike) -> bool:
 
 
 def _transformer_cls() -> type:
-    from diffusers import Flux2Transformer2DModel
+    from diffusers import Flux2Transformer2DModel  # heavy
 
     return Flux2Transformer2DModel
 
@@ -112,8 +112,8 @@ def _tokenize(encoders: TextEncoder, prompts: list[str], max_sequence_length: in
     """The pipeline's token ids / attention mask (padded to ``max_sequence_length``) and which prompts were cut."""
     tok = encoders.tokenizer
     if encoders.kind == DEV_PIPELINE:
-        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input  # heavy
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE  # heavy
 
         messages = format_input(prompts=prompts, system_message=SYSTEM_MESSAGE)
         common = dict(add_generation_prompt=False, tokenize=True, return_dict=True)
@@ -245,7 +245,7 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
 def sigmas(steps: int, image_seq_len: int) -> torch.Tensor:
     """(S+1,) float32: the pipelines' ``linspace(1, 1/S, S)`` through ``set_timesteps(sigmas=..., mu=...)`` (numpy
     float32, exponential time shift with ``mu = compute_empirical_mu(L, S)``), then a final 0."""
-    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # heavy
 
     from fastvideo.schedulers import time_shift
 
@@ -293,7 +293,7 @@ def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: i
 def _float32_pos_embed(current: Any) -> torch.nn.Module:
     """A ``Flux2PosEmbed`` whose rotary angles use float32 only, as accurate as the float64 path (FLUX.1's
     ``_Float32Rope``: same axes layout, pairs repeated)."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2PosEmbed
+    from diffusers.models.transformers.transformer_flux2 import Flux2PosEmbed  # heavy
 
     class Float32Flux2PosEmbed(Flux2PosEmbed):
         """Flux2PosEmbed computed in float32 (Ascend NPUs have no float64): ~3e-7 from the float64 angles."""
@@ -349,8 +349,6 @@ class Flux2(ModelFamily):
     def sampler_defaults(self, path: str | os.PathLike) -> SamplerDefaults:
         """The stock defaults of this folder's pipeline: dev feeds guidance 4.0 and has no CFG; a distilled klein
         ignores CFG; klein base is ``defaults``."""
-        from dataclasses import replace
-
         if pipeline_kind(path) == DEV_PIPELINE:
             return replace(self.defaults, guidance=4.0, cfg_scale=1.0)
         return replace(self.defaults, cfg_scale=1.0) if is_distilled(path) else self.defaults
@@ -373,12 +371,12 @@ class Flux2(ModelFamily):
         return tag(model, self)
 
     def vae_class(self):
-        from diffusers import AutoencoderKLFlux2
+        from diffusers import AutoencoderKLFlux2  # heavy
 
         return AutoencoderKLFlux2
 
     def load_vae(self, path, dtype=torch.float32, device="cpu"):
-        from diffusers import AutoencoderKLFlux2
+        from diffusers import AutoencoderKLFlux2  # heavy
 
         vae = AutoencoderKLFlux2.from_pretrained(component_folder(path, "vae", check_model_folder),
                                                  torch_dtype=dtype, local_files_only=True)
@@ -388,9 +386,9 @@ class Flux2(ModelFamily):
         folder = check_model_folder(path, TEXT_COMPONENTS)
         kind = pipeline_kind(folder)
         if kind == DEV_PIPELINE:
-            from transformers import AutoProcessor as tokenizer_cls, Mistral3ForConditionalGeneration as model_cls
+            from transformers import AutoProcessor as tokenizer_cls, Mistral3ForConditionalGeneration as model_cls  # heavy
         else:
-            from transformers import AutoTokenizer as tokenizer_cls, Qwen3ForCausalLM as model_cls
+            from transformers import AutoTokenizer as tokenizer_cls, Qwen3ForCausalLM as model_cls  # heavy
         tokenizer = tokenizer_cls.from_pretrained(folder / "tokenizer", local_files_only=True)
         model = model_cls.from_pretrained(folder / "text_encoder", dtype=dtype, local_files_only=True)
         return TextEncoder(kind, tokenizer, model.to(device).eval().requires_grad_(False))
@@ -437,7 +435,7 @@ class Flux2(ModelFamily):
 
     def pipeline_class(self) -> type:
         # Both FLUX.2 pipelines read and write LoRA exports through the same Flux2LoraLoaderMixin.
-        from diffusers import Flux2Pipeline
+        from diffusers import Flux2Pipeline  # heavy
 
         return Flux2Pipeline
 

@@ -12,6 +12,8 @@ import torch
 
 from fastvideo.models.flux2 import (DEV_PIPELINE, DEV_TEXT_LAYERS, KLEIN_PIPELINE, MAX_TEXT_TOKENS,
                                     _transformer_cls)
+from fastvideo.seeding import derive_seed
+from fastvideo.tiny import FLUX_SCHEDULER_CONFIG, _open_clip_merges, write_atomically
 
 # ------------------------------------------------------------------------------------------------ presets
 INFO_FILE = "tiny_flux.json"  # fastvideo.tiny's record of what a built folder is
@@ -53,9 +55,7 @@ def _byte_bpe(merges: int, word_starts: int, specials: tuple[str, ...] = ()) -> 
     """A small byte-level BPE (vocab, merges) built offline from CLIP's BPE merges (open_clip's vocabulary):
     ``specials`` first (ids 0..n-1), the 256 byte symbols, the first ``merges`` merges inside words, then
     ``word_starts`` "Ġword" merges so space-led words stay whole."""
-    from open_clip.tokenizer import bytes_to_unicode
-
-    from fastvideo.tiny import _open_clip_merges
+    from open_clip.tokenizer import bytes_to_unicode  # optional
 
     vocab = {s: i for i, s in enumerate(specials)}
     vocab.update({c: len(specials) + i for i, c in enumerate(bytes_to_unicode().values())})
@@ -85,7 +85,7 @@ def _byte_bpe(merges: int, word_starts: int, specials: tuple[str, ...] = ()) -> 
 def save_qwen_tokenizer(out_dir: str | os.PathLike, merges: int = 3000, word_starts: int = 1000) -> Path:
     """Write a small byte-level BPE tokenizer (``_byte_bpe``) in Qwen2's layout (Qwen2TokenizerFast, Qwen's
     pre-tokenizer, the chat specials and a Qwen3-style chat template)."""
-    from transformers import AddedToken, Qwen2TokenizerFast
+    from transformers import AddedToken, Qwen2TokenizerFast  # heavy
 
     vocab, pairs = _byte_bpe(merges, word_starts)
     tok = Qwen2TokenizerFast(vocab=vocab, merges=pairs, model_max_length=131072)
@@ -121,8 +121,8 @@ def save_pixtral_processor(out_dir: str | os.PathLike, merges: int = 3000, word_
     """Write a ``PixtralProcessor`` folder in FLUX.2-dev's tokenizer/ layout (processor_config.json with a tiny
     Pixtral image processor, tokenizer.json, tokenizer_config.json, chat template): a small byte-level BPE
     (``_byte_bpe``) with Mistral's control tokens and a Mistral-Small-style chat template."""
-    from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers
-    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers  # heavy
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast  # heavy
 
     vocab, pairs = _byte_bpe(merges, word_starts, MISTRAL_SPECIALS)
     backend = Tokenizer(bpe_models.BPE(vocab=vocab, merges=pairs))
@@ -142,7 +142,7 @@ def save_pixtral_processor(out_dir: str | os.PathLike, merges: int = 3000, word_
 
 def _model_index(kind: str, distilled: bool = False) -> dict:
     """Flux2KleinPipeline's / Flux2Pipeline's model_index.json."""
-    import diffusers
+    import diffusers  # heavy
 
     text = (["transformers", "Mistral3ForConditionalGeneration"], ["transformers", "PixtralProcessor"]) \
         if kind == DEV_PIPELINE else (["transformers", "Qwen3ForCausalLM"], ["transformers", "Qwen2TokenizerFast"])
@@ -165,7 +165,7 @@ _TINY_TEXT_WIDTH, _TINY_LATENT_CHANNELS = 16, 4  # tiny LMs 16 wide (3 x 16 = 48
 def _tiny_qwen3(tmp: Path) -> torch.nn.Module:
     """klein's tiny Qwen3 (28 layers: the pipeline reads hidden layer 27; 16 wide, ~0.1M parameters) and its
     tokenizer/ (written to ``tmp``)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # heavy
 
     save_qwen_tokenizer(tmp / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer", local_files_only=True)
@@ -180,7 +180,7 @@ def _tiny_qwen3(tmp: Path) -> torch.nn.Module:
 def _tiny_mistral3(tmp: Path) -> torch.nn.Module:
     """dev's tiny Mistral3ForConditionalGeneration (a 30-layer Mistral text model: the pipeline reads hidden layer
     30; a 1-layer Pixtral vision tower) and its Pixtral processor tokenizer/ (written to ``tmp``)."""
-    from transformers import AutoProcessor, Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import AutoProcessor, Mistral3Config, Mistral3ForConditionalGeneration  # heavy
 
     save_pixtral_processor(tmp / "tokenizer")
     tok = AutoProcessor.from_pretrained(tmp / "tokenizer", local_files_only=True).tokenizer
@@ -226,7 +226,7 @@ def _tiny_transformer(guidance_embeds: bool) -> torch.nn.Module:
 def _tiny_vae() -> torch.nn.Module:
     """The tiny FLUX.2 VAE (factor 4, 4 latent channels) with non-trivial batch-norm statistics, so forgetting
     them shows."""
-    from diffusers import AutoencoderKLFlux2
+    from diffusers import AutoencoderKLFlux2  # heavy
 
     vae = AutoencoderKLFlux2(
         block_out_channels=(8, 16, 16), down_block_types=("DownEncoderBlock2D",) * 3,
@@ -241,10 +241,7 @@ def _tiny_vae() -> torch.nn.Module:
 def _write_tiny(tmp: Path, seed: int, kind: str = KLEIN_PIPELINE) -> None:
     """Every component of a tiny folder (klein base or dev layout), each from its own derived seed (see
     ``build_tiny``); dev's VAE is klein's (same seed), its transformer adds the guidance embedding."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from fastvideo.seeding import derive_seed
-    from fastvideo.tiny import FLUX_SCHEDULER_CONFIG
+    from diffusers import FlowMatchEulerDiscreteScheduler  # heavy
 
     def seeded(name: str) -> None:
         torch.manual_seed(derive_seed(seed, "tiny-flux2", name))
@@ -266,8 +263,6 @@ def _write_tiny(tmp: Path, seed: int, kind: str = KLEIN_PIPELINE) -> None:
 
 
 def _build_tiny_folder(out_dir: str | os.PathLike, seed: int, kind: str) -> Path:
-    from fastvideo.tiny import write_atomically
-
     def write(tmp: Path) -> None:
         with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
             _write_tiny(tmp, int(seed), kind)
@@ -290,10 +285,8 @@ def build_tiny_dev(out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 def _write_config_folder(tmp: Path) -> None:
     """FLUX.2-klein-4B's configs, no weights (models instantiated on meta so diffusers fills every key)."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen3Config
-
-    from fastvideo.tiny import FLUX_SCHEDULER_CONFIG
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler  # heavy
+    from transformers import Qwen3Config  # heavy
 
     with torch.device("meta"):
         _transformer_cls()(**KLEIN_4B_TRANSFORMER_CONFIG).save_config(tmp / "transformer")
@@ -313,6 +306,4 @@ def _write_config_folder(tmp: Path) -> None:
 def write_config(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write FLUX.2-klein-4B's diffusers layout with its real configs and no weights (meta-device planning);
     ``seed`` is ignored. FileExistsError if ``out_dir`` is non-empty."""
-    from fastvideo.tiny import write_atomically
-
     return write_atomically(out_dir, _write_config_folder)

@@ -36,6 +36,9 @@ from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_config, model_dtype, tag, unwrap_model)
 from fastvideo.models.common import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
+from fastvideo.schedulers import flux_mu, time_shift
+from fastvideo.seeding import derive_seed
+from fastvideo.tiny import INFO_FILE, _open_clip_merges, write_atomically
 
 # --------------------------------------------------------------------------------------- the stock pipeline's facts
 # QwenImagePipeline.prompt_template_encode / prompt_template_encode_start_idx / tokenizer_max_length.
@@ -189,7 +192,7 @@ def _no_host_copies(model: Any, device: torch.device | str) -> None:
     """Keep the Qwen-Image forward free of host-to-device copies: ``_text_len_without_copy`` in diffusers' module,
     and the rotary tables put on ``device`` now (``QwenEmbedRope._get_device_freqs`` caches them per device) rather
     than by a pageable copy inside the first sampling step."""
-    from diffusers.models.transformers import transformer_qwenimage
+    from diffusers.models.transformers import transformer_qwenimage  # heavy
 
     transformer_qwenimage.compute_text_seq_len_from_mask = _text_len_without_copy
     pos_embed = unwrap_model(model).pos_embed
@@ -278,7 +281,7 @@ class QwenImage(ModelFamily):
     def build_transformer(self, path, dtype=torch.float32):
         """The transformer on the meta device from its config.json, its rotary tables rebuilt on the CPU (they are
         plain tensors no weight load fills), RMSNorms kept in the compute dtype, tagged with this family."""
-        from diffusers import QwenImageTransformer2DModel
+        from diffusers import QwenImageTransformer2DModel  # heavy
 
         model = build_on_meta(QwenImageTransformer2DModel, self.transformer_folder(path), dtype)
         _fresh_rope(model)
@@ -287,7 +290,7 @@ class QwenImage(ModelFamily):
 
     def load_transformer(self, path, dtype=torch.float32, device="cpu"):
         """The transformer with its weights on ``device``, adapted to it (``prepare_for_device``), tagged."""
-        from diffusers import QwenImageTransformer2DModel
+        from diffusers import QwenImageTransformer2DModel  # heavy
 
         model = QwenImageTransformer2DModel.from_pretrained(self.transformer_folder(path), torch_dtype=dtype,
                                                             local_files_only=True).to(device)
@@ -296,13 +299,13 @@ class QwenImage(ModelFamily):
         return tag(model, self)
 
     def vae_class(self):
-        from diffusers import AutoencoderKLQwenImage
+        from diffusers import AutoencoderKLQwenImage  # heavy
 
         return AutoencoderKLQwenImage
 
     def load_vae(self, path, dtype=torch.float32, device="cpu"):
         """The frozen ``AutoencoderKLQwenImage`` (eval mode, no grad)."""
-        from diffusers import AutoencoderKLQwenImage
+        from diffusers import AutoencoderKLQwenImage  # heavy
 
         folder = component_folder(path, "vae", self.check_folder)
         vae = AutoencoderKLQwenImage.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
@@ -310,7 +313,7 @@ class QwenImage(ModelFamily):
 
     def load_text_encoders(self, path, dtype=torch.float32, device="cpu"):
         """The frozen Qwen2.5-VL text encoder and its Qwen2 tokenizer (``TextEncoders``)."""
-        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer  # heavy
 
         folder = self.check_folder(path, TEXT_COMPONENTS)
         encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder / "text_encoder", dtype=dtype,
@@ -406,8 +409,6 @@ class QwenImage(ModelFamily):
     def sigmas(self, steps, image_seq_len):
         """``FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace(1, 1/S, S), mu=calculate_shift(L))`` with
         Qwen-Image's scheduler config, in the scheduler's numpy float32 arithmetic, then a final 0."""
-        from fastvideo.schedulers import flux_mu, time_shift
-
         if int(steps) < 2:  # one step: the stretch divides 1 - sigma_last = 0 by itself (the pipeline gives NaN)
             raise ValueError(f"Qwen-Image samples with >= 2 steps (its scheduler's shift_terminal stretch is NaN for "
                              f"one step), got {steps}: pass --sampling_steps 2 or more")
@@ -507,13 +508,13 @@ class QwenImage(ModelFamily):
 
     def pipeline_class(self) -> type:
         """``QwenImagePipeline`` (its QwenImageLoraLoaderMixin writes and reads LoRA exports)."""
-        from diffusers import QwenImagePipeline
+        from diffusers import QwenImagePipeline  # heavy
 
         return QwenImagePipeline
 
     def transformer_class(self) -> type:
         """``QwenImageTransformer2DModel``: what a full fine-tune's export is a folder of."""
-        from diffusers import QwenImageTransformer2DModel
+        from diffusers import QwenImageTransformer2DModel  # heavy
 
         return QwenImageTransformer2DModel
 
@@ -536,10 +537,8 @@ def _tiny_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     ``tokenizers`` library on the chat template and the first CLIP BPE whole words, so the template's system turn is
     exactly the 34 tokens the pipeline drops (as with Qwen2.5's real vocabulary) and English words are one token
     each. Deterministic: the same vocabulary and merges in every process. Special tokens follow, in Qwen's order."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    from fastvideo.tiny import _open_clip_merges
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers  # heavy
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # heavy
 
     words: list[str] = []
     for merge in _open_clip_merges():
@@ -566,8 +565,8 @@ def _tiny_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 def save_tiny_tokenizer(out_dir: str | os.PathLike) -> Path:
     """Write the tiny Qwen2 tokenizer (``Qwen2Tokenizer.from_pretrained`` loads it; the pipeline's template works)."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
+    from tokenizers import AddedToken  # heavy
+    from transformers import Qwen2Tokenizer  # heavy
 
     vocab, merges = _tiny_vocab()
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
@@ -579,7 +578,7 @@ def save_tiny_tokenizer(out_dir: str | os.PathLike) -> Path:
 def _text_encoder_config(vocab_size: int, tiny: bool) -> Any:
     """Qwen2.5-VL-7B's config, or the tiny one (2 text layers of width 32, a 1-block vision tower) whose special
     ids are the tiny tokenizer's."""
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig  # heavy
 
     if not tiny:
         return Qwen2_5_VLConfig(text_config=dict(TEXT_ENCODER_CONFIG), vision_config=dict(VISION_CONFIG),
@@ -600,7 +599,7 @@ def _text_encoder_config(vocab_size: int, tiny: bool) -> Any:
 
 def _model_index() -> dict:
     """Qwen/Qwen-Image's model_index.json (component -> (library, class))."""
-    import diffusers
+    import diffusers  # heavy
 
     return {"_class_name": "QwenImagePipeline", "_diffusers_version": diffusers.__version__,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -612,10 +611,8 @@ def _model_index() -> dict:
 
 def _tiny_components(seed: int, vocab_size: int) -> dict[str, Any]:
     """The tiny models, each from its own derived seed, in eval mode."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from fastvideo.seeding import derive_seed
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel  # heavy
+    from transformers import Qwen2_5_VLForConditionalGeneration  # heavy
 
     def seeded(name: str) -> None:
         torch.manual_seed(derive_seed(seed, "tiny-qwen-image", name))
@@ -643,8 +640,6 @@ def _tiny_components(seed: int, vocab_size: int) -> dict[str, Any]:
 
 def _write_tiny(tmp: Path, seed: int) -> None:
     """Save every tiny component into ``tmp`` in Qwen/Qwen-Image's layout."""
-    from fastvideo.tiny import INFO_FILE
-
     save_tiny_tokenizer(tmp / "tokenizer")
     vocab_size = len(json.loads((tmp / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
@@ -661,16 +656,12 @@ def _write_tiny(tmp: Path, seed: int) -> None:
 def build_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write a seeded tiny Qwen-Image folder (``QwenImagePipeline.from_pretrained`` loads it; 64 px images; same
     seed, byte-identical files) to ``out_dir``, atomically; FileExistsError if ``out_dir`` is non-empty."""
-    from fastvideo.tiny import write_atomically
-
     return write_atomically(out_dir, lambda tmp: _write_tiny(tmp, int(seed)))
 
 
 def _write_config_folder(tmp: Path) -> None:
     """Save Qwen-Image's configs (models instantiated on the meta device, so no memory) into ``tmp``."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
-    from fastvideo.tiny import INFO_FILE
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel  # heavy
 
     for name, cls, config in (("transformer", QwenImageTransformer2DModel, TRANSFORMER_CONFIG),
                               ("vae", AutoencoderKLQwenImage, VAE_CONFIG)):
@@ -693,6 +684,4 @@ def _write_config_folder(tmp: Path) -> None:
 def write_config(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write Qwen/Qwen-Image's diffusers layout with its real configs and no weights (a stand-in tokenizer) to
     ``out_dir``, for meta-device builds (memory planning); ``seed`` is ignored. Atomic like ``build_tiny``."""
-    from fastvideo.tiny import write_atomically
-
     return write_atomically(out_dir, _write_config_folder)

@@ -29,10 +29,10 @@ import torch
 
 from fastvideo import tiny
 from fastvideo.models import common
-from fastvideo.models.common import keep_attention_dtype
 from fastvideo.models.attention import attention_backend_of, set_attention_backend
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_dtype, tag, unwrap_model)
+from fastvideo.models.common import keep_attention_dtype
 
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
     "transformer": ("config.json",),
@@ -181,14 +181,14 @@ class SD3(ModelFamily):
     def build_transformer(self, path, dtype=torch.float32):
         """SD3Transformer2DModel from its config on the meta device; its persistent ``pos_embed`` buffer (the
         position table) is in the checkpoint, so sharded loading fills it like a weight."""
-        from diffusers import SD3Transformer2DModel
+        from diffusers import SD3Transformer2DModel  # heavy
 
         model = build_on_meta(SD3Transformer2DModel, self.transformer_folder(path), dtype)
         keep_attention_dtype(model)
         return tag(model, self)
 
     def load_transformer(self, path, dtype=torch.float32, device="cpu"):
-        from diffusers import SD3Transformer2DModel
+        from diffusers import SD3Transformer2DModel  # heavy
 
         model = SD3Transformer2DModel.from_pretrained(self.transformer_folder(path), torch_dtype=dtype,
                                                       local_files_only=True).to(device)
@@ -196,14 +196,14 @@ class SD3(ModelFamily):
         return tag(model, self)
 
     def load_vae(self, path, dtype=torch.float32, device="cpu"):
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # heavy
 
         vae = AutoencoderKL.from_pretrained(component_folder(path, "vae", self.check_folder), torch_dtype=dtype,
                                             local_files_only=True)
         return vae.to(device).eval().requires_grad_(False)
 
     def load_text_encoders(self, path, dtype=torch.float32, device="cpu") -> TextEncoders:
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast  # heavy
 
         folder = self.check_folder(path, TEXT_COMPONENTS)
 
@@ -343,12 +343,12 @@ class SD3(ModelFamily):
         return [f"attention backend: {used}{suffix}"]
 
     def pipeline_class(self) -> type:
-        from diffusers import StableDiffusion3Pipeline
+        from diffusers import StableDiffusion3Pipeline  # heavy
 
         return StableDiffusion3Pipeline
 
     def transformer_class(self) -> type:
-        from diffusers import SD3Transformer2DModel
+        from diffusers import SD3Transformer2DModel  # heavy
 
         return SD3Transformer2DModel
 
@@ -396,7 +396,7 @@ SD35_MEDIUM_TRANSFORMER_PARAMETERS = 2_243_171_520  # build_transformer(write_co
 
 def _model_index() -> dict:
     """SD3.5's model_index.json (component -> (library, class))."""
-    import diffusers
+    import diffusers  # heavy
 
     return {
         "_class_name": "StableDiffusion3Pipeline",
@@ -415,7 +415,7 @@ def _model_index() -> dict:
 
 def _save_tokenizers(out: Path) -> None:
     """CLIP BPE twice (tokenizer_2 pads with "!", id 0, as SD3's CLIP-G tokenizer does) and the small T5."""
-    from transformers import CLIPTokenizer
+    from transformers import CLIPTokenizer  # heavy
 
     tiny.save_clip_tokenizer(out / "tokenizer")
     clip_g = CLIPTokenizer.from_pretrained(out / "tokenizer", pad_token="!")
@@ -427,7 +427,7 @@ def _save_tokenizers(out: Path) -> None:
 
 def _tiny_clip(hidden: int, act: str) -> Any:
     """A 2-layer CLIP text encoder with projection of width ``hidden`` (tiny.py's special-token ids)."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection  # heavy
 
     return CLIPTextModelWithProjection(CLIPTextConfig(
         vocab_size=tiny.CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden, projection_dim=hidden,
@@ -438,8 +438,8 @@ def _tiny_clip(hidden: int, act: str) -> Any:
 
 def _tiny_components(p: TinySD3, seed: int) -> dict[str, Any]:
     """Every model of the tiny folder, each from its own derived seed (eval mode)."""
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import T5Config, T5EncoderModel
+    from diffusers import AutoencoderKL, SD3Transformer2DModel  # heavy
+    from transformers import T5Config, T5EncoderModel  # heavy
 
     from fastvideo.seeding import derive_seed
 
@@ -486,7 +486,7 @@ def _tiny_components(p: TinySD3, seed: int) -> dict[str, Any]:
 
 def _write_tiny(tmp: Path, seed: int) -> None:
     """Save the tiny SD3.5 folder into ``tmp``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler  # heavy
 
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         parts = _tiny_components(TINY, seed)
@@ -508,8 +508,8 @@ def build_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 def _write_config_folder(tmp: Path) -> None:
     """Save SD3.5-Medium's configs (no weights) into ``tmp``; the models are instantiated on the meta device."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, T5Config
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # heavy
+    from transformers import CLIPTextConfig, T5Config  # heavy
 
     with torch.device("meta"):  # diffusers fills and serialises the full config, as save_pretrained would
         SD3Transformer2DModel(**SD35_MEDIUM_TRANSFORMER_CONFIG).save_config(tmp / "transformer")

@@ -42,6 +42,7 @@ import argparse
 import importlib
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -124,13 +125,14 @@ def display_values(metrics: dict[str, float]) -> dict[str, str]:
     return shown
 
 
-# Every reward option flag a trainer passes to ``build_reward`` (paths to weight files, the URL rewards' options).
-REWARD_PATH_FLAGS = ("hps_checkpoint", "hps_model", "pickscore_model", "pickscore_processor", "clip_checkpoint",
-                     "clip_model", "aesthetic_checkpoint", "aesthetic_clip_checkpoint", "aesthetic_clip_model",
-                     # the URL rewards' options (remote:URL, vlm_judge:URL): build_reward's keywords too
-                     "reward_timeout_s", "reward_retries", "remote_batch_size", "remote_max_concurrency", "judge_model",
-                     "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency",
-                     "reward_options")  # a user's reward factory's keyword arguments (package.module:factory)
+# Every reward option flag a trainer passes to ``build_reward``, as the rewards declare them: the built-in rewards'
+# files and architecture flags, the URL rewards' options, and a user's reward factory's keyword arguments.
+REWARD_PATH_FLAGS: tuple[str, ...] = tuple(dict.fromkeys([
+    *(flag for reward in REWARDS.values() for flag, _, _ in reward.paths),
+    *(reward.arch_flag for reward in REWARDS.values() if reward.arch_flag),
+    *(option for _, _, options in _URL_REGISTRY.values() for option in options),
+    "reward_options"]))
+
 
 @dataclass(frozen=True)
 class RewardItem:
@@ -200,8 +202,6 @@ def parse_reward_items(spec: str) -> list[RewardItem]:
 def _split_url_weight(text: str) -> tuple[str, str | None]:
     """``URL[:WEIGHT]`` -> (URL, weight text or None): a last ``:W`` is the weight only when W is a number and the
     URL before it has an explicit port or path (``http://h:8000:0.5``, ``http://h/:2``); ``http://h:8000`` is a URL."""
-    import urllib.parse
-
     head, sep, tail = text.rpartition(":")
     try:
         float(tail)

@@ -187,8 +187,8 @@ class HFClipTransform:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """(B,3,H,W) float [0,1] -> (B,3,h,w) float32 model input, on the images' device."""
-        from torchvision.transforms.v2 import InterpolationMode
-        from torchvision.transforms.v2 import functional as tvF
+        from torchvision.transforms.v2 import InterpolationMode  # heavy
+        from torchvision.transforms.v2 import functional as tvF  # heavy
 
         x = images
         if self.resize:
@@ -225,7 +225,7 @@ def open_clip_config(model: str, flag: str, reward: str) -> dict:
             raise ValueError(f"reward '{reward}': {flag} {model!r} is not valid JSON ({e})") from e
         cfg = cfg.get("model_cfg", cfg)  # also accept open_clip_config.json from a hub folder
     else:
-        import open_clip
+        import open_clip  # optional
 
         cfg = open_clip.get_model_config(model)
         if cfg is None:
@@ -291,7 +291,7 @@ def _load_checkpoint_assigning(net: torch.nn.Module, checkpoint: str | Path, dev
     replaces, contiguous on ``device`` -- what copying it in would have made -- and the source dropped at once (a
     fp32 checkpoint loaded to the CPU is used in place: one copy of the weights in memory). Strict: a checkpoint that
     does not fit raises load_state_dict's RuntimeError, as copying would."""
-    import open_clip
+    import open_clip  # optional
 
     targets = net.state_dict(keep_vars=True)
 
@@ -345,8 +345,8 @@ def load_open_clip(model: str, checkpoint: str | Path, device: torch.device, *, 
     (DDP-trained) or safetensors: open_clip's ``load_checkpoint`` handles them all (weights_only loading, so
     OpenAI's TorchScript ``ViT-L-14.pt`` is refused; use open_clip's ``open_clip_pytorch_model.bin`` instead).
     """
-    import open_clip
-    from open_clip.model import CLIP, CustomTextCLIP
+    import open_clip  # optional
+    from open_clip.model import CLIP, CustomTextCLIP  # optional
 
     cfg = open_clip_config(model, model_flag, reward)
     preprocess = dict(cfg.pop("preprocess_cfg", {}) or {})

@@ -8,13 +8,12 @@ weights use QuickGELU). The prompt is ignored.
 """
 from __future__ import annotations
 
+from ._common import HFClipTransform, clip_pixels, features, load_open_clip, quantize_uint8, require_path
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
-
-from ._common import HFClipTransform, clip_pixels, features, load_open_clip, quantize_uint8, require_path
 
 DEFAULT_CLIP_MODEL = "ViT-L-14-quickgelu"
 
@@ -65,7 +64,7 @@ class AestheticScorer:
         self.mlp = load_aesthetic_mlp(checkpoint).to(self.device)
         clip_path = Path(clip_checkpoint)
         if clip_path.is_dir():
-            from transformers import CLIPImageProcessor, CLIPModel
+            from transformers import CLIPImageProcessor, CLIPModel  # heavy
 
             self.hf_model = CLIPModel.from_pretrained(clip_path, local_files_only=True)
             self.hf_model = self.hf_model.to(self.device).eval().requires_grad_(False)

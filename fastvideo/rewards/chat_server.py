@@ -26,6 +26,7 @@ import base64
 import binascii
 import hmac
 import io
+import os
 import re
 import threading
 import time
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastvideo.rewards.http import TOKEN_ENV
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 DEFAULT_MAX_TOKENS = 256
@@ -52,7 +55,7 @@ class ChatRequestError(ValueError):
 
 def decode_image(url: str) -> Any:
     """A ``data:image/...;base64,...`` URI -> an RGB PIL image (ChatRequestError for anything else)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # heavy
 
     match = _DATA_URI.fullmatch(url.strip())
     if match is None:
@@ -122,7 +125,7 @@ class ChatModel:
     """A transformers VLM folder, loaded once, answering chat-completion bodies one at a time."""
 
     def __init__(self, model_dir: str | Path, device: str | torch.device = "cpu") -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor  # heavy
 
         path = Path(model_dir).expanduser()
         if not (path / "config.json").is_file():
@@ -199,7 +202,7 @@ class ChatModel:
 
 def _error(message: str, status: int, kind: str) -> Any:
     """An OpenAI-style error response."""
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse  # optional
 
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
                         status_code=status)
@@ -210,7 +213,7 @@ def add_chat_routes(app: Any, *, model_dir: str, device: str, served_name: str |
     """Load the VLM folder ``model_dir`` on ``device`` and mount ``GET /v1/models`` and ``POST /v1/chat/completions``
     on the FastAPI ``app``; ``served_name`` is the model id (default: ``model_dir`` as given, like vLLM), ``token`` the
     bearer token both routes require (None: open)."""
-    from fastapi import Request
+    from fastapi import Request  # optional
     from starlette.concurrency import run_in_threadpool
 
     engine = ChatModel(model_dir, device)
@@ -254,12 +257,8 @@ def add_chat_routes(app: Any, *, model_dir: str, device: str, served_name: str |
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: serve a VLM folder over the chat-completions API with uvicorn."""
-    import os
-
-    import uvicorn
-    from fastapi import FastAPI
-
-    from fastvideo.rewards.http import TOKEN_ENV
+    import uvicorn  # optional
+    from fastapi import FastAPI  # optional
 
     parser = argparse.ArgumentParser(description="Serve a local transformers VLM folder over the OpenAI-compatible "
                                                  "chat-completions API (a stand-in for vLLM / SGLang)")

@@ -7,12 +7,11 @@ resize of the shorter side to the model's input size, centre crop, CLIP normalis
 """
 from __future__ import annotations
 
+from ._common import clip_pixels, encode_unique, load_open_clip, require_path
 from pathlib import Path
 from typing import Sequence
 
 import torch
-
-from ._common import clip_pixels, encode_unique, load_open_clip, require_path
 
 DEFAULT_MODEL = "ViT-H-14"
 

@@ -25,14 +25,13 @@ autocast on CUDA, which moves scores by ~1e-3).
 from __future__ import annotations
 
 import json
+from ._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, quantize_uint8, require_path
+from .clipscore import ClipScorer
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from ._common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, quantize_uint8, require_path
-from .clipscore import ClipScorer
 
 DEFAULT_MODEL = "ViT-H-14"
 TINY_CHECKPOINT = "hps-tiny.pt"
@@ -108,7 +107,7 @@ def build_tiny_hps(out_dir: str | Path, seed: int = 0) -> Path:
     ``hps-tiny-config.json`` (pass it as ``--hps_model``). Same key layout as ViT-H-14 (full CLIP
     vocabulary, so open_clip's tokenizer applies); identical bytes for identical seeds.
     """
-    from open_clip.model import CLIP
+    from open_clip.model import CLIP  # optional
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ _PARALLEL_MIN_PIXELS = 512 * 512  # below this a thread hop costs more than the 
 
 def _encoded_size(image_hwc: np.ndarray) -> int:
     """Bytes of one (H,W,3) uint8 image saved as JPEG at quality 95."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     buffer = io.BytesIO()
     Image.fromarray(image_hwc).save(buffer, format="JPEG", quality=QUALITY)

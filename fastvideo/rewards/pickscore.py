@@ -10,12 +10,11 @@ PIL) after rounding to uint8 like the PIL images the reference scores; prompts a
 """
 from __future__ import annotations
 
+from ._common import HFClipTransform, encode_unique, features, quantize_uint8, require_path
 from pathlib import Path
 from typing import Sequence
 
 import torch
-
-from ._common import HFClipTransform, encode_unique, features, quantize_uint8, require_path
 
 MAX_LENGTH = 77
 
@@ -24,7 +23,7 @@ class PickScoreScorer:
     """PickScore of (image, prompt) pairs; model loaded once, eval, no grad, on ``device``."""
 
     def __init__(self, model: str | Path, processor: str | Path, device: str | torch.device = "cpu"):
-        from transformers import CLIPModel, CLIPProcessor
+        from transformers import CLIPModel, CLIPProcessor  # heavy
 
         self.device = torch.device(device)
         self.processor = CLIPProcessor.from_pretrained(processor, local_files_only=True)

@@ -27,12 +27,14 @@ import itertools
 import json
 import sys
 import threading
+from .http import RewardServerError, request, request_replicas, split_urls, token_from_env
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import torch
+from safetensors.torch import load, save
 
-from .http import RewardServerError, request, request_replicas, split_urls, token_from_env
+from fastvideo.distributed import launch_env
 
 WIRE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16,
                                        "float32": torch.float32, "float64": torch.float64}
@@ -61,8 +63,6 @@ def wire_dtype(images: torch.Tensor) -> torch.dtype:
 def encode_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:
     """The body of a /score request: safetensors bytes of ``images`` (B,3,H,W) (lossless, see ``to_wire``) with
     the prompts and the images' dtype in its metadata."""
-    from safetensors.torch import save
-
     name = next((k for k, v in WIRE_DTYPES.items() if v == images.dtype), None)
     if name is None:
         raise ValueError(f"remote rewards take float images in [0, 1], got dtype {images.dtype}")
@@ -73,8 +73,6 @@ def decode_request(body: bytes, max_image_side: int = 0) -> tuple[torch.Tensor, 
     """``(images in their original dtype, prompts)`` of a /score body; ValueError saying what is wrong with it
     (not safetensors, no ``images`` (B,3,H,W) float tensor, prompts missing or not one per image, an image side over
     ``max_image_side`` when > 0)."""
-    from safetensors.torch import load
-
     fix = "send what fastvideo.rewards.remote.encode_request writes"
     if len(body) < 8:
         raise ValueError(f"the body ({len(body)} bytes) is not a safetensors file; {fix}")
@@ -239,7 +237,6 @@ def build(url: str, device: torch.device, *, remote_batch_size: int = 0, remote_
     max_bytes = min((int(lim.get("max_request_mb", 0) * 2**20) for lim in limits if lim.get("max_request_mb")),
                     default=0)
     max_side = min((int(lim["max_image_side"]) for lim in limits if lim.get("max_image_side")), default=0)
-    from fastvideo.distributed import launch_env
 
     return RemoteScorer(urls, batch_size=remote_batch_size, max_concurrency=remote_max_concurrency,
                         timeout_s=reward_timeout_s, retries=reward_retries, token=token, max_request_bytes=max_bytes,

@@ -24,6 +24,13 @@ from typing import Sequence
 
 import torch
 
+from fastvideo import runs
+from fastvideo.config import build_parser, parse_with_config
+from fastvideo.distributed import pick_device_type
+from fastvideo.record import load_image, read_jsonl
+from fastvideo.rewards import REWARD_PATH_FLAGS, RewardOptions, build_reward, parse_reward_spec
+from fastvideo.rewards.http import RewardServerError
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -43,8 +50,6 @@ def _all_there(images: Path, found: list[tuple[str, Path, str]], listing: str, e
 def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]:
     """``(name, path, prompt)`` of every image to score, in a fixed order (FileNotFoundError / ValueError naming the
     fix when images or prompts are missing or their counts differ)."""
-    from fastvideo.record import read_jsonl
-
     if not images.is_dir():
         raise FileNotFoundError(f"--images {images}: no such folder; pass a folder of images, a sample.py "
                                 "--output_dir or a --record_dir")
@@ -81,8 +86,6 @@ def image_set(images: Path, prompts: Path | None) -> list[tuple[str, Path, str]]
 def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
                  device: torch.device) -> list[dict]:
     """Score ``items`` in batches of up to ``batch_size`` images of one size; rows in the order of ``items``."""
-    from fastvideo.record import load_image
-
     rows: list[dict | None] = [None] * len(items)
     start = 0
     while start < len(items):
@@ -107,11 +110,6 @@ def score_images(reward_fn, items: list[tuple[str, Path, str]], batch_size: int,
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags, with --run_dir's reward, reward paths, device and default images filled in where no flag was given
     (``runs.apply_to_score``; its line in ``args.run_line``); ValueError / FileNotFoundError naming the fix."""
-    from fastvideo import runs
-    from fastvideo.rewards import RewardOptions
-    from fastvideo.config import build_parser, parse_with_config
-    from fastvideo.rewards import REWARD_PATH_FLAGS
-
     parser = build_parser((RewardOptions,), "Score a fixed image set with a reward model (batched).",
                           exclude=("nonfinite_reward", "eval_reward"))  # a trainer's policy / evaluation; this tool
     # scores with --reward only
@@ -145,10 +143,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fastvideo.distributed import pick_device_type
-    from fastvideo.rewards import build_reward, parse_reward_spec
-    from fastvideo.rewards.http import RewardServerError
-
     try:
         args = parse_args(argv)
         if args.run_line is not None:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from .http import TOKEN_ENV, request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -32,10 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from .http import TOKEN_ENV, request
+from fastvideo.config import build_parser as build_options_parser
+from fastvideo.config import parse_with_config
+from fastvideo.distributed import pick_device_type
+from fastvideo.rewards import REWARD_PATH_FLAGS, RewardOptions, build_reward, check_reward_prompts, parse_reward_spec
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    from fastapi import FastAPI  # optional
 
 PROG = "python -m fastvideo.rewards.serve"
 READY_LINE = re.compile(r"^serving .* on (http://\S+)$")  # what main prints once the port answers
@@ -164,9 +168,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
                delay_ms: float = 0.0, chat: dict[str, Any] | None = None) -> "FastAPI":
     """The FastAPI app: ``POST /score`` (when ``reward_fn`` is given), ``GET /health``, and the chat routes of
     ``fastvideo.rewards.chat_server`` when ``chat`` holds its keyword arguments (model_dir, served_name)."""
-    from fastapi import FastAPI, HTTPException, Request, Response
-
-    from fastvideo.rewards import check_reward_prompts
+    from fastapi import FastAPI, HTTPException, Request, Response  # optional
 
     from .remote import decode_request
 
@@ -264,9 +266,6 @@ def _add_chat_routes(app: "FastAPI", **kwargs: Any) -> None:
 # ----------------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags: the reward flags of the trainers (RewardOptions) and the serving ones."""
-    from fastvideo.rewards import RewardOptions
-    from fastvideo.config import build_parser as build_options_parser
-
     parser = build_options_parser(
         (RewardOptions,), __doc__.split("\n\n")[0], exclude=("eval_reward", "nonfinite_reward", "reward_overlap"),
         default_overrides={"reward": None},
@@ -312,8 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the flag of a serving flag out of range (before any model loads)."""
-    from fastvideo.rewards import parse_reward_spec
-
     if args.reward is None and args.chat_model is None:
         raise ValueError("--reward SPEC is required (e.g. --reward hpsv2 --hps_checkpoint FILE), unless --chat_model "
                          "DIR serves a chat model only")
@@ -350,11 +347,6 @@ def listen(host: str, port: int) -> socket.socket:
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the flags, load the reward, listen, print 'serving SPEC on URL' once the port answers, serve until
     SIGINT/SIGTERM; a bad flag or path: one line and exit status 2."""
-    from fastvideo.config import parse_with_config
-    from fastvideo.distributed import pick_device_type
-    from fastvideo.rewards import build_reward
-    from fastvideo.rewards import REWARD_PATH_FLAGS
-
     try:
         parser = build_parser()
         args = parse_with_config(parser, argv)
@@ -389,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def _serve(app: "FastAPI", sock: socket.socket, ready_line: str) -> None:
     """Run uvicorn on ``sock`` and print ``ready_line`` once it accepts connections."""
-    import uvicorn
+    import uvicorn  # optional
 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     task = asyncio.create_task(server.serve(sockets=[sock]))

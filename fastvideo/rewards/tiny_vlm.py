@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+from fastvideo.models.flux2_presets import _byte_bpe
+from fastvideo.seeding import derive_seed
+from fastvideo.tiny import write_atomically
+
 INFO_FILE = "tiny_vlm.json"  # what the folder is: seed, sizes, the prior
 # Qwen2-VL-2B-Instruct's tokenizer_config.json chat template (a default system turn; one vision block per image part).
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -68,9 +72,7 @@ CROWD_SCALE = 0.5  # the other tokens' lm_head rows are scaled by this (a flatte
 def _tokenizer(merges: int = 3000, word_starts: int = 1000):
     """A small byte-level BPE in Qwen2's layout (FLUX.2's tiny builder, ``fastvideo.models.flux2_presets._byte_bpe``) with
     every ``JUDGE_WORDS`` entry one token and Qwen2-VL's specials after the vocabulary."""
-    from transformers import AddedToken, Qwen2TokenizerFast
-
-    from fastvideo.models.flux2_presets import _byte_bpe
+    from transformers import AddedToken, Qwen2TokenizerFast  # heavy
 
     vocab, pairs = _byte_bpe(merges, word_starts)
     for word in JUDGE_WORDS:  # merge the pieces it splits into, after every existing merge (so they apply last)
@@ -89,7 +91,7 @@ def _tokenizer(merges: int = 3000, word_starts: int = 1000):
 
 def save_processor(out_dir: str | os.PathLike) -> Path:
     """Write the tiny ``Qwen2VLProcessor`` (image/video processors, tokenizer, chat template) to ``out_dir``."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor  # heavy
 
     pixels = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=_tokenizer(),
@@ -121,9 +123,7 @@ def _judge_prior(model: torch.nn.Module, word_ids: list[int], digit_ids: list[in
 
 def _write_folder(tmp: Path, seed: int) -> None:
     """Save the seeded tiny Qwen2-VL (model, generation config, processor, info) into ``tmp``."""
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    from fastvideo.seeding import derive_seed
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration  # heavy
 
     save_processor(tmp)
     tok = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
@@ -153,8 +153,6 @@ def _write_folder(tmp: Path, seed: int) -> None:
 
 def build_tiny_vlm(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write the seeded tiny Qwen2-VL folder to ``out_dir`` (atomically; FileExistsError if it is non-empty)."""
-    from fastvideo.tiny import write_atomically
-
     return write_atomically(out_dir, lambda tmp: _write_folder(tmp, seed))
 
 

@@ -16,6 +16,10 @@ from typing import Sequence
 
 import torch
 
+from fastvideo.toyworld.clean import clean_batch
+from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
+from fastvideo.toyworld.verify import score_batch
+
 
 class ToyWorldScorer:
     """``(images (B,3,H,W) in [0,1], toy-world prompts) -> {key: (B,) float32}`` for the keys of ``SCORE_KEYS``."""
@@ -24,8 +28,6 @@ class ToyWorldScorer:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        from fastvideo.toyworld.verify import score_batch
-
         try:
             scores = score_batch(images, prompts)
         except ValueError as err:
@@ -49,16 +51,12 @@ class CleanScorer:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        from fastvideo.toyworld.clean import clean_batch
-
         return {key: torch.from_numpy(value).float() for key, value in clean_batch(images).items()}
 
 
 def check_prompts(prompts: Sequence[str], reward: str = "toyworld") -> None:
     """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers, naming
     ``reward`` (toyworld or toyworld_strict)."""
-    from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
-
     bad = []
     for i, prompt in enumerate(prompts):
         try:

@@ -43,7 +43,9 @@ from typing import Any, Sequence
 
 import torch
 
+from fastvideo.distributed import launch_env
 from fastvideo.rewards import JUDGE_SCORES, http
+from fastvideo.rewards._common import to_grey_levels
 
 SCORE_MODES = JUDGE_SCORES  # --judge_score (the registry holds the choices)
 TEMPLATES = {
@@ -97,7 +99,7 @@ def render(template: str, prompt: str, max_score: float) -> str:
 
 def png_data_uri(image: torch.Tensor) -> str:
     """A (H, W, 3) uint8 CPU image -> ``data:image/png;base64,...`` (lossless: the judge sees these exact pixels)."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     buffer = io.BytesIO()
     Image.fromarray(image.numpy()).save(buffer, format="PNG", compress_level=1)
@@ -254,8 +256,6 @@ class VLMJudge:
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score a batch (B, 3, H, W) in [0, 1]: one request per image, ``concurrency`` in flight, spread
         round-robin over the replicas."""
-        from fastvideo.rewards._common import to_grey_levels
-
         prompts = list(prompts)
         check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
         pixels = to_grey_levels(images.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()  # (B, H, W, 3)
@@ -312,7 +312,6 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
             raise ValueError(f"{which} is not served by {base} (it serves {names}); pass one of those as "
                              "--judge_model (every replica must serve it), or leave --judge_model out to use the "
                              "first")
-    from fastvideo.distributed import launch_env
 
     return VLMJudge(urls=[f"{base}/chat/completions" for base in bases], model=model, template=template,
                     mode=judge_score, max_score=float(judge_max_score), concurrency=int(judge_max_concurrency),

@@ -8,12 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from fastvideo.toyworld.scenes import write_prompt_files
+import numpy as np
+
+from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
+from fastvideo.toyworld.scenes import SceneSpec, is_heldout, parse_prompt, write_prompt_files
+from fastvideo.toyworld.verify import FAILURE_MODES, failure_modes
 
 
 def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
-    from fastvideo.toyworld.pretrain import PretrainConfig
-
     p = sub.add_parser("pretrain", help="train the toy FLUX (VAE + transformer) on toy-world scenes from scratch")
     p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
     p.add_argument("--eval_every", type=int, default=0, help="also log a 128-prompt evaluation of the EMA every N "
@@ -31,10 +33,7 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
 
 def _read_folder(folder: Path) -> tuple[list[str], list[str]]:
     """(prompts, failure modes) of the images of one sample.py output folder (its index.jsonl and 8-bit images)."""
-    import numpy as np
-    from PIL import Image
-
-    from fastvideo.toyworld.verify import failure_modes
+    from PIL import Image  # heavy
 
     index = folder / "index.jsonl"
     if not index.is_file():
@@ -51,8 +50,6 @@ def _read_folder(folder: Path) -> tuple[list[str], list[str]]:
 def _pair_of(prompt: str) -> tuple[str, str]:
     """(the prompt's object pair as text, its kind): held-out or training pair, and for a pair of two shapes whether
     its colour-swapped pair (the same four words bound the other way) is a training pair; "one group" otherwise."""
-    from fastvideo.toyworld.scenes import SceneSpec, is_heldout, parse_prompt
-
     spec = parse_prompt(prompt)
     if len(spec.groups) == 1:
         return "one group", ""
@@ -67,8 +64,6 @@ def failure_table(folders: list[Path], by_pair: bool = False) -> str:
     """The share of each ``verify.FAILURE_MODES`` mode among the images of sample.py output folders (their
     index.jsonl and images), one column per folder; ``by_pair`` adds the share right per object pair of the prompts,
     which shows which pairs a run fixes and which stay wrong."""
-    from fastvideo.toyworld.verify import FAILURE_MODES
-
     read = [(folder, *_read_folder(folder)) for folder in folders]
     width = max(len(m) for m in FAILURE_MODES)
     lines = ["share of images by failure mode (the toy-world verifier on the saved 8-bit images; a swap or flip: the "
@@ -124,8 +119,6 @@ def main(argv: list[str] | None = None) -> None:
         for name, path in write_prompt_files(args.out, args.seed).items():
             print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")
         return
-
-    from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):

@@ -16,8 +16,11 @@ thread count):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,9 @@ import numpy as np
 import torch
 
 from fastvideo.models import flux
+from fastvideo.schedulers import get_sigmas
 from fastvideo.seeding import derive_seed
+from fastvideo.tiny import PRESETS, _write_atomically, build_tiny_flux
 from fastvideo.toyworld import scenes, verify
 
 INFO_FILE = "toyworld.json"
@@ -104,8 +109,6 @@ class PretrainConfig:
 
 def weights_digest(module: torch.nn.Module) -> str:
     """sha256 of a module's state dict (names, dtypes, shapes and bytes in name order): equal digests, equal weights."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, value in sorted(module.state_dict().items()):
         t = value.detach().cpu().contiguous()
@@ -139,9 +142,7 @@ def render_scenes(cfg: PretrainConfig) -> tuple[list[str], torch.Tensor]:
 def build_vae(cfg: PretrainConfig):
     """An AutoencoderKL of ``vae_channels`` / ``latent_channels`` (the tiny preset's block layout), freshly
     initialised."""
-    from diffusers import AutoencoderKL
-
-    from fastvideo.tiny import PRESETS
+    from diffusers import AutoencoderKL  # heavy
 
     p = PRESETS[TINY_PRESET]
     torch.manual_seed(derive_seed(cfg.seed, "toyworld-pretrain", "vae-init"))
@@ -184,9 +185,7 @@ def train_vae(cfg: PretrainConfig, images: torch.Tensor, log: Callable[[str], No
 
 def build_transformer(cfg: PretrainConfig):
     """A FLUX-architecture transformer for the tiny preset's latents and text encoders (no guidance embedding)."""
-    from diffusers import FluxTransformer2DModel
-
-    from fastvideo.tiny import PRESETS
+    from diffusers import FluxTransformer2DModel  # heavy
 
     p = PRESETS[TINY_PRESET]
     rope = 2 * (cfg.head_dim // 8)  # RoPE axes (index, row, column), each even: (4, 6, 6) for head_dim 16
@@ -277,8 +276,6 @@ def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.
 def sample(transformer, vae, embeds: torch.Tensor, pooled: torch.Tensor, geometry: flux.LatentGeometry,
            noise: torch.Tensor, steps: int, shift: float, batch: int = 64) -> torch.Tensor:
     """Euler ODE samples (B, 3, H, W) in [0, 1] from initial noise (B, L, C) (the trainers' deterministic sampler)."""
-    from fastvideo.schedulers import get_sigmas
-
     sigmas = get_sigmas(steps, shift=shift, image_seq_len=geometry.seq_len).tolist()
     img_ids = flux.image_ids(geometry)
     txt_ids = flux.text_ids(embeds.shape[1])
@@ -316,17 +313,13 @@ def write_text_side(folder: Path, constant_pooled: bool = False) -> None:
     ``constant_pooled``: zero the CLIP encoder's final layer-norm scale, so its pooled output (FLUX's global text
     vector) is the same for every prompt and the transformer reads the prompt only through the T5 tokens, whose
     colour and shape features are linearly separable also for held-out pairs (the pooled vector's are not)."""
-    import shutil
-
-    from fastvideo.tiny import build_tiny_flux
-
     base = folder / ".tiny-base"
     build_tiny_flux(base, TINY_PRESET, seed=0)
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler", "model_index.json"):
         (base / name).rename(folder / name)
     shutil.rmtree(base)
     if constant_pooled:
-        from transformers import CLIPTextModel
+        from transformers import CLIPTextModel  # heavy
 
         clip = CLIPTextModel.from_pretrained(folder / "text_encoder")
         with torch.no_grad():
@@ -337,10 +330,6 @@ def write_text_side(folder: Path, constant_pooled: bool = False) -> None:
 def build_from_shipped(out_dir: str | Path) -> Path:
     """Write the toy FLUX folder from the weights shipped in ``SHIPPED`` (what ``pretrain`` with the default config
     produced; ``tests/test_toyworld_pretrain.py`` checks that it still does), in seconds instead of minutes."""
-    import shutil
-
-    from fastvideo.tiny import _write_atomically
-
     if not (SHIPPED / "transformer" / "config.json").is_file():
         raise FileNotFoundError(f"no shipped toy-world weights in {SHIPPED}: reinstall the package, or run "
                                 "python -m fastvideo.toyworld pretrain --out DIR")
@@ -399,8 +388,6 @@ def pretrain_prefix(cfg: PretrainConfig = PretrainConfig(), log: Callable[[str],
     """(digests, vae): the ``digests`` a whole ``pretrain`` records (the finished VAE; the transformer EMA after
     ``PREFIX_STEPS`` steps) and the VAE, from a run stopped there: the check that pretraining still reproduces, in
     minutes instead of the whole run's time (bit for bit only with the same CPU kernels and thread count)."""
-    import tempfile
-
     digests: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         vae, _, _, _ = _train_models(Path(tmp), cfg, log, {}, digests, stop_after=PREFIX_STEPS)
@@ -413,8 +400,6 @@ def pretrain(out_dir: str | Path, cfg: PretrainConfig = PretrainConfig(),
     records the config, thread count, CPU, timings, the trainers' sampling settings and the ``digests`` that
     ``pretrain_prefix`` re-makes. ``eval_every``: also log a 128-prompt evaluation every that many transformer steps
     (the weights do not change)."""
-    from fastvideo.tiny import _write_atomically
-
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
 

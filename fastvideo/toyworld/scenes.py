@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
