@@ -148,7 +148,7 @@ def policy_loss(args: argparse.Namespace, traj, idx: torch.Tensor, j: torch.Tens
     step means and sqrt(-dt) for a loss that compares them; ``valid``: the real rows of a padded micro-batch."""
     entry = POLICY_LOSS_TABLE[args.policy_loss]
     terms = StepTerms(log_prob, traj.log_probs[idx, j], adv, mean, traj.means[idx, j] if entry.needs_means else None,
-                      std, traj.sqrt_neg_dt(j) if entry.needs_means else None, valid)
+                      std, traj.sqrt_neg_dt(j) if entry.needs_step_size else None, valid)
     return entry.compute(terms, args)
 
 

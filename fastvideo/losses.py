@@ -231,6 +231,7 @@ class PolicyLoss:
 
     compute: Callable[[StepTerms, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
     needs_means: bool = False
+    needs_step_size: bool = False  # the step's sqrt(-dt) (GRPO-Guard's rescale)
     sde_types: tuple[str, ...] | None = None
     refusals: dict[str, str] = field(default_factory=dict)
     metrics: tuple[str, ...] = ()
@@ -242,7 +243,7 @@ POLICY_LOSS_TABLE: dict[str, PolicyLoss] = {
     "guard": PolicyLoss(
         lambda t, args: grpo_guard_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean, t.std,
                                         t.sqrt_neg_dt, args.clip_range, t.valid),
-        needs_means=True, sde_types=("flow_sde", "dance_sde"), metrics=("guard_bias_mean",),
+        needs_means=True, needs_step_size=True, sde_types=("flow_sde", "dance_sde"), metrics=("guard_bias_mean",),
         refusals={"cps": "GRPO-Guard needs the full Gaussian log-density log p = mean(-(x'-mean)²/(2·std²)) - log std "
                          "- ½log 2π of a step whose std is s·sqrt(-dt); cps's log_prob drops the 1/(2·std²) factor, so "
                          "the bias term does not cancel the -‖Δmean‖² drift of the log-ratio, and its std "

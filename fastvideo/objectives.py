@@ -283,11 +283,18 @@ def _group_arithmetic(args: argparse.Namespace, world_size: int, trained: int) -
             "world_size": world_size}
 
 
+def _trainer_parser(algorithm: str, groups: Sequence[type], description: str, **overrides: Any
+                    ) -> argparse.ArgumentParser:
+    """A trainer's parser over its option groups; ``algorithm`` is recorded in config.json and every checkpoint's
+    meta.json."""
+    parser = build_parser(groups, description, **overrides)
+    parser.set_defaults(algorithm=algorithm)
+    return parser
+
+
 def grpo_parser() -> argparse.ArgumentParser:
     """The GRPO trainer's flags."""
-    parser = build_parser(GRPO_GROUPS, "GRPO post-training of a flow-matching transformer (torchrun + FSDP).")
-    parser.set_defaults(algorithm="grpo")  # recorded in config.json and every checkpoint's meta.json
-    return parser
+    return _trainer_parser("grpo", GRPO_GROUPS, "GRPO post-training of a flow-matching transformer (torchrun + FSDP).")
 
 
 def parse_grpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -359,11 +366,8 @@ def validate_dpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
 
 def dpo_parser() -> argparse.ArgumentParser:
     """The DPO trainer's flags."""
-    parser = build_parser(DPO_GROUPS, "Online or offline Diffusion-DPO of a flow-matching transformer (torchrun + "
-                                      "FSDP).",
-                          help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
-    parser.set_defaults(algorithm="dpo")  # recorded in config.json and every checkpoint's meta.json
-    return parser
+    return _trainer_parser("dpo", DPO_GROUPS, "Online or offline Diffusion-DPO of a flow-matching transformer "
+                           "(torchrun + FSDP).", help_overrides=DPO_HELP, default_overrides=DPO_DEFAULTS)
 
 
 def parse_dpo_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -445,11 +449,9 @@ def validate_nft(args: argparse.Namespace, world_size: int) -> dict[str, int]:
 
 def nft_parser() -> argparse.ArgumentParser:
     """The DiffusionNFT trainer's flags."""
-    parser = build_parser(NFT_GROUPS, "DiffusionNFT (or --objective awm: Advantage Weighted Matching) post-training "
-                                      "of a flow-matching transformer (torchrun + FSDP).",
-                          help_overrides=NFT_HELP, default_overrides=NFT_DEFAULTS)
-    parser.set_defaults(algorithm="nft")  # recorded in config.json and every checkpoint's meta.json
-    return parser
+    return _trainer_parser("nft", NFT_GROUPS, "DiffusionNFT (or --objective awm: Advantage Weighted Matching) "
+                           "post-training of a flow-matching transformer (torchrun + FSDP).", help_overrides=NFT_HELP,
+                           default_overrides=NFT_DEFAULTS)
 
 
 def parse_nft_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

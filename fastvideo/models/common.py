@@ -179,6 +179,15 @@ def decode(vae: Any, latents: torch.Tensor, geometry: LatentGeometry, micro_batc
     return (torch.cat(images) / 2 + 0.5).clamp(0, 1).float()
 
 
+def check_encode_images(images: torch.Tensor, geometry: LatentGeometry) -> None:
+    """ValueError unless ``images`` is (B, 3, H, W) at ``geometry``'s size (every family's VAE ``encode``)."""
+    expected = (3, geometry.height, geometry.width)
+    if images.ndim != 4 or tuple(images.shape[1:]) != expected:
+        raise ValueError(f"encode takes images of shape (B, {expected[0]}, {expected[1]}, {expected[2]}) for the "
+                         f"geometry {geometry.height}x{geometry.width}, got {tuple(images.shape)}; resize the images "
+                         "or build the geometry from their --h/--w")
+
+
 @torch.no_grad()
 def encode(vae: Any, images: torch.Tensor, geometry: LatentGeometry, micro_batch: int | None = None) -> torch.Tensor:
     """Images (B, 3, H, W) in [0, 1] -> packed latents (B, L, C) float32: the inverse of ``decode``.
@@ -186,11 +195,7 @@ def encode(vae: Any, images: torch.Tensor, geometry: LatentGeometry, micro_batch
     Takes the mean of the VAE posterior (``latent_dist.mode()``), not a sample, so the same image always gives
     the same latents and a latent cache is reproducible. One VAE call, or chunks of ``micro_batch`` images.
     """
-    expected = (3, geometry.height, geometry.width)
-    if images.ndim != 4 or tuple(images.shape[1:]) != expected:
-        raise ValueError(f"encode takes images of shape (B, {expected[0]}, {expected[1]}, {expected[2]}) for the "
-                         f"geometry {geometry.height}x{geometry.width}, got {tuple(images.shape)}; resize the images "
-                         "or build the geometry from their --h/--w")
+    check_encode_images(images, geometry)
     config = model_config(vae)
     scaling = config_get(config, "scaling_factor", 1.0)
     shift = config_get(config, "shift_factor", None) or 0.0

@@ -35,7 +35,7 @@ from fastvideo import devices
 from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
                                    config_get, model_config, model_dtype, tag, unwrap_model)
-from fastvideo.models.common import LatentGeometry, keep_attention_dtype, pack_latents, unpack_latents
+from fastvideo.models.common import LatentGeometry, check_encode_images, keep_attention_dtype, pack_latents, unpack_latents
 from fastvideo.schedulers import flux_mu, time_shift
 from fastvideo.seeding import derive_seed
 from fastvideo.tiny import INFO_FILE, _open_clip_merges, write_atomically
@@ -436,11 +436,7 @@ class QwenImage(ModelFamily):
     @torch.no_grad()
     def encode(self, vae, images, geometry, micro_batch=None):
         """Images in [0, 1] -> packed latents (posterior mode, normalised per channel): ``decode``'s inverse."""
-        expected = (3, geometry.height, geometry.width)
-        if images.ndim != 4 or tuple(images.shape[1:]) != expected:
-            raise ValueError(f"encode takes images of shape (B, 3, {geometry.height}, {geometry.width}) for this "
-                             f"geometry, got {tuple(images.shape)}; resize the images or build the geometry from "
-                             "their --h/--w")
+        check_encode_images(images, geometry)
         dtype = model_dtype(vae)
         x = (images * 2 - 1).to(dtype).unsqueeze(2)  # (B, 3, 1, H, W): one frame
         step = micro_batch or x.shape[0]
