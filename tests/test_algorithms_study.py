@@ -170,13 +170,3 @@ def _smoke(toy_world, tmp_path, objectives):
 def test_smoke_runs_grpo_and_awm(toy_world, tmp_path):
     """--smoke for GRPO (the reference) and AWM: two launchers, end to end (~30 s on 2 cores)."""
     _smoke(toy_world, tmp_path, ["grpo", "awm"])
-
-
-# slow for the default suite's time (~45 s on 2 shared cores): by default test_smoke_runs_grpo_and_awm runs the study
-# end to end on two launchers (GRPO, the reference of every relative column, and AWM) and
-# test_every_objective_flag_set_is_accepted validates every objective's flags
-@pytest.mark.slow(cover="test_algorithms_study.py::test_smoke_runs_grpo_and_awm", cost_s=45)
-def test_smoke_runs_every_other_objective(toy_world, tmp_path):
-    """--smoke for the 5 objectives the default smoke run leaves out: each trains 2 steps through its launcher and
-    lands in every output."""
-    _smoke(toy_world, tmp_path, [n for n in A.OBJECTIVES if n not in ("grpo", "awm")])

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from fastvideo import objectives as O
+from test_memory import RECIPE as DANCE_FULL_FT
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_DIR = REPO / "scripts" / "recipes"
@@ -54,6 +55,24 @@ PRESET_PARAMS = {
     "sd3.5-medium-config": r"2\.\d+B",
     "qwen-image-config": r"20\.\d+B",
     "flux2-klein-4b-config": r"[34]\.\d+B",
+}
+
+
+# Planned with the recipes, in the same two workers (one place in the slow tier plans FLUX.1-dev): a recipe (or none)
+# with flags on top -> name: (recipe file or None, trainer, preset, flags)
+PLAN_VARIANTS = {
+    # the DPO launcher's MODEL_PATH recipe as a full fine-tune whose reference is refreshed every 10 steps
+    "dpo+full+ref_refresh": ("dpo.yaml", "train_dpo.py", "flux-dev-config",
+                             ["--lora_rank", "0", "--ref_update_interval", "10"]),
+    # the NFT launcher's MODEL_PATH recipe as a full fine-tune: the old policy is a second transformer
+    "nft+full": ("nft.yaml", "train_nft.py", "flux-dev-config", ["--lora_rank", "0", "--train_batch_size", "2"]),
+    # DanceGRPO's full fine-tune at 720^2 with a KL term: the frozen reference
+    "dancegrpo+full+kl": (None, "train_grpo_flux.py", "flux-dev-config", [*DANCE_FULL_FT, "--kl_beta", "0.04"]),
+    # sequence parallelism at 1024^2: the same batch with --sp_size 1 and 4
+    **{f"grpo+1024+sp{sp}": (None, "train_grpo_flux.py", "flux-dev-config",
+                              ["--h", "1024", "--w", "1024", "--num_generations", "8", "--prompts_per_step", "4",
+                               "--train_batch_size", "1", "--gradient_checkpointing", "--sp_size", str(sp)])
+       for sp in (1, 4)},
 }
 
 
@@ -126,8 +145,8 @@ def wait_for(preset):
 
 
 for job in jobs:
-    recipe, script, preset, extra = job.split("::", 3)
-    out = str(Path(out_dir) / Path(recipe).stem)
+    name, recipe, script, preset, extra = job.split("::", 4)
+    out = str(Path(out_dir) / name)
     if not claim(out + ".claim"):
         continue  # the other worker took it
     buf = io.StringIO()
@@ -138,38 +157,42 @@ for job in jobs:
         sys.modules[spec.name] = module  # registered first, as importlib's recipe does (dataclasses look it up)
         spec.loader.exec_module(module)
         with contextlib.redirect_stdout(buf):  # no --data_json_path: a plan needs no embeddings (512 text tokens)
-            module.main(["--config", recipe, "--pretrained_model_name_or_path", model, "--device", "cuda",
-                         "--dry_run", "--dry_run_world_size", world, "--dry_run_device_memory_gb", device_gb,
-                         *json.loads(extra)])
+            module.main([*(["--config", recipe] if recipe else []), "--pretrained_model_name_or_path", model,
+                         "--output_dir", out + ".out", "--device", "cuda", "--dry_run", "--dry_run_world_size", world,
+                         "--dry_run_device_memory_gb", device_gb, *json.loads(extra)])
         error = None
     except BaseException:
         error = traceback.format_exc()
-    Path(out + ".json").write_text(json.dumps({"error": error, "stdout": buf.getvalue()}))
+    wrote = Path(out + ".out").exists()  # a dry run writes nothing
+    Path(out + ".json").write_text(json.dumps({"error": error, "stdout": buf.getvalue(), "wrote": wrote}))
 """
 
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory) -> dict[str, dict]:
-    """recipe stem -> {"error", "stdout"} of `<trainer> --config RECIPE --dry_run --dry_run_world_size 8` on the real
-    configs of the recipe's model (its ``# model:`` preset, built with fastvideo.tiny.build_preset: no weights)."""
+    """recipe stem (or PLAN_VARIANTS name) -> {"error", "stdout", "wrote"} of `<trainer> --config RECIPE [FLAGS]
+    --dry_run --dry_run_world_size 8` on the real configs of the recipe's model (its ``# model:`` preset, built with
+    fastvideo.tiny.build_preset: no weights)."""
     root = tmp_path_factory.mktemp("recipe-plans")
     models = root / "models"
     models.mkdir()
     pairs = root / "pairs.jsonl"
     pairs.write_text("")
-    presets = sorted({_preset(recipe) for recipe in RECIPES})
-    jobs = [f"{recipe}::{REPO / _trainer(recipe)}::{_preset(recipe)}::{json.dumps(_extra_flags(recipe, pairs))}"
-            for recipe in RECIPES]
+    presets = sorted({_preset(recipe) for recipe in RECIPES} | {v[2] for v in PLAN_VARIANTS.values()})
+    jobs = [f"{recipe.stem}::{recipe}::{REPO / _trainer(recipe)}::{_preset(recipe)}::"
+            f"{json.dumps(_extra_flags(recipe, pairs))}" for recipe in RECIPES]
+    jobs += [f"{name}::{RECIPE_DIR / recipe if recipe else ''}::{REPO / script}::{preset}::{json.dumps(flags)}"
+             for name, (recipe, script, preset, flags) in PLAN_VARIANTS.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(models), str(root), str(WORLD), str(DEVICE_GB),
                                  json.dumps(presets), *jobs], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     logs = [w.communicate(timeout=600)[0] for w in workers]
     results = {}
-    for recipe in RECIPES:
-        path = root / f"{recipe.stem}.json"
-        assert path.is_file(), f"no plan for {recipe.name}; worker output:\n" + "\n".join(logs)[-6000:]
-        results[recipe.stem] = json.loads(path.read_text())
+    for name in [recipe.stem for recipe in RECIPES] + list(PLAN_VARIANTS):
+        path = root / f"{name}.json"
+        assert path.is_file(), f"no plan for {name}; worker output:\n" + "\n".join(logs)[-6000:]
+        results[name] = json.loads(path.read_text())
     return results
 
 
@@ -300,3 +323,64 @@ def test_recipe_plan_fits_8x80gb(recipe, dry_runs):
         f"{recipe.name}: the header's plan must name the preset it was measured on ({preset}): {header.group(0)!r}"
     assert abs(float(header.group(1)) - peak) <= 0.5, \
         f"{recipe.name}: the header says {header.group(1)} GiB per GPU, the plan now says {peak:.2f}; update it"
+    assert not result["wrote"], f"{recipe.name}: the dry run wrote its --output_dir"
+    # a guided rollout (true CFG: --cfg_scale > 1) plans its doubled batch
+    guided = float(yaml.safe_load(recipe.read_text()).get("cfg_scale", 1.0)) > 1.0
+    assert ("x 2 (CFG)" in out) == guided, (recipe.name, guided)
+
+
+def _plan(dry_runs: dict, name: str) -> str:
+    result = dry_runs[name]
+    assert result["error"] is None, f"{name}: --dry_run failed:\n{result['error']}"
+    assert not result["wrote"], f"{name}: the dry run wrote its --output_dir"
+    return result["stdout"]
+
+
+# slow for the default suite's time, as the recipes' plans (the same fixture)
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=2)
+def test_dpo_plans_online_lora_and_a_refreshed_reference(dry_runs):
+    """The DPO launcher's recipe on FLUX.1-dev (LoRA 64, 32 prompts x 16 images over 8 ranks, 512 px) fits 80 GiB;
+    a full fine-tune with a refreshed reference plans the fp32 snapshot and the weights set aside while it is
+    swapped in."""
+    lora = _plan(dry_runs, "dpo")
+    assert "samples_per_rank=64" in lora and "pairs_per_rank=4" in lora and "fits in 80 GiB" in lora
+    assert "micro-batch 8 x (1024 image" in lora and "clean latents of the step" in lora
+    assert "reference snapshot" not in lora
+    full = _plan(dry_runs, "dpo+full+ref_refresh")
+    assert "reference snapshot (fp32, sharded)" in full and "set aside in the swap" in full
+
+
+@pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=2)
+def test_nft_plans_the_old_policy_as_an_adapter_or_a_second_transformer(dry_runs):
+    """The NFT launcher's recipe on FLUX.1-dev fits 80 GiB with the old adapter; a full fine-tune plans the second
+    fp32 transformer and the frozen reference."""
+    lora = _plan(dry_runs, "nft")
+    assert "samples_per_rank=144" in lora and "fits in 80 GiB" in lora
+    assert "old policy: adapter 'old' (fp32, sharded)" in lora and "old-policy forward (no grad)" in lora
+    full = _plan(dry_runs, "nft+full")
+    assert "old policy: second transformer (fp32 master, sharded)" in full
+    assert "reference policy (frozen, compute dtype)" in full and "fits in 80 GiB" in full
+
+
+@pytest.mark.slow(cover="test_memory.py::test_plan_arithmetic_for_flux_dev", cost_s=2)
+def test_dry_run_plans_the_frozen_reference_of_a_full_fine_tune_in_bf16(dry_runs):
+    """DanceGRPO's full fine-tune (720^2, 8 ranks) with --kl_beta on FLUX.1-dev: the frozen reference is planned in
+    the compute dtype, loaded once and never copied."""
+    out = _plan(dry_runs, "dancegrpo+full+kl")
+    ref_line = next(line for line in out.splitlines() if "reference policy (frozen" in line)
+    assert " 2.77 " in ref_line, ref_line  # bf16: 2 B x 11.9B params / 8 ranks = 2.77 GiB, loaded, never a copy
+    assert "fits in 80 GiB" in out
+
+
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp_validation_before_loading", cost_s=2)
+def test_dry_run_plans_sequence_parallel_activations(dry_runs):
+    """The planner at FLUX.1-dev's widths: --sp_size 4 at 1024² holds about a third of the activations."""
+    def activations(out: str) -> float:
+        line = next(line for line in out.splitlines() if "activations, micro-batch" in line)
+        return float(line[2 + 56 + 12:2 + 56 + 12 + 11])  # the device GiB column
+
+    out1, out4 = _plan(dry_runs, "grpo+1024+sp1"), _plan(dry_runs, "grpo+1024+sp4")
+    act1, act4 = activations(out1), activations(out4)
+    assert 0.2 * act1 < act4 < 0.4 * act1  # measured 0.33: the sequence-independent part stays
+    assert "--sp_size 4: 1024 + 128 tokens per rank" in out4
+    assert "world_size=8, dp_size=2, sp_size=4" in out4
