@@ -21,7 +21,7 @@ from fastvideo import distributed as D
 from fastvideo.losses import POLICY_LOSS_TABLE, StepTerms, first_update_check, kl_loss
 from fastvideo.memory import plan_grpo
 from fastvideo.objectives import parse_grpo_args, validate_grpo
-from fastvideo.rollout import RolloutConfig, replay_log_prob, rollout, select_trained_timesteps, window_position
+from fastvideo.rollout import replay_log_prob, rollout, select_trained_timesteps, window_position
 from fastvideo.training import rank_mean
 
 
@@ -159,7 +159,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     scaled by 1/(accumulated micro-batches x timesteps) (weighted micro-batches: the weighted sum over 1/timesteps);
     an optimizer step after each. ``adv_all``: the gathered advantages (P*G,), needed by the two switches."""
     args, policy, amp_dtype = run.args, run.policy, run.amp_dtype
-    geometry, rollout_cfg = run.geometry, RolloutConfig.from_args(args)
+    geometry, rollout_cfg = run.geometry, run.rollout_cfg
     timesteps = select_trained_timesteps(traj, samples.prompt_ids, samples.sample_indices, step, run.noise,
                                          timestep_fraction=args.timestep_fraction,
                                          selection=args.timestep_selection)  # (B, K)

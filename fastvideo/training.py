@@ -92,6 +92,7 @@ class Run:
     logger: Any = None
     bar: Any = None
     geometry: Any = None
+    rollout_cfg: RolloutConfig | None = None  # the sampler's settings, built once by sampling_inputs
     eval_dataset: Any = None  # EmbeddingDataset of --eval_prompts
     train_seconds: float = 0.0  # wall-clock of training steps so far (evaluation excluded; resumed from checkpoints)
     step_started: float = 0.0
@@ -146,8 +147,8 @@ class Run:
                                  f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
                                  f"prompts with --max_sequence_length {dataset.max_sequence_length}, or pass the "
                                  "prompt file itself (it is then encoded with the training data's length)")
-        self.geometry = geometry
-        return geometry, dataset, RolloutConfig.from_args(args)
+        self.geometry, self.rollout_cfg = geometry, RolloutConfig.from_args(args)
+        return geometry, dataset, self.rollout_cfg
 
     def prompt_groups(self) -> tuple[Any, Any, Any, Any]:
         """The inputs of a trainer that samples --num_generations images for each of --prompts_per_step prompts per
@@ -242,7 +243,7 @@ class Run:
         noise = NoiseSource(derive_seed(args.seed, "eval"), device=args.noise_device)
         with flops.phase(None):  # not training work: outside the step's tflops / mfu
             images = evaluation.ode_images(self.policy.model, self.vae, ds, prompt_ids, sample_indices,
-                                           RolloutConfig.from_args(args), noise, self.geometry, device=self.device,
+                                           self.rollout_cfg, noise, self.geometry, device=self.device,
                                            amp_dtype=self.amp_dtype)
         prompts = [ds.prompts[i] for i in prompt_ids]
         rewards, _ = self.score(images, prompts)  # gathered: entries >= total are padding

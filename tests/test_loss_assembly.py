@@ -51,6 +51,7 @@ def _run(model_dir: Path, tmp_path: Path, parse: Callable[[list[str]], argparse.
     run = build_run(args, validate, **build)
     run.vae = flux.load_vae(model_dir, dtype=torch.float32, device=run.device)
     run.geometry = flux.latent_geometry(model_dir, SIZE, SIZE)
+    run.rollout_cfg = RolloutConfig.from_args(args)  # as Run.sampling_inputs builds it
     return run
 
 

@@ -231,6 +231,7 @@ def test_evaluation_logs_the_extra_rewards_and_keeps_eval_reward(tiny_flux_dir, 
     from fastvideo import models
     from fastvideo.objectives import parse_grpo_args, validate_grpo
     from fastvideo.data import EmbeddingDataset
+    from fastvideo.rollout import RolloutConfig
     from fastvideo.models import flux
 
     (tmp_path / "manifest.json").write_text("{}")
@@ -243,6 +244,7 @@ def test_evaluation_logs_the_extra_rewards_and_keeps_eval_reward(tiny_flux_dir, 
     run = build_run(args, validate_grpo, need_reference=False)
     run.vae = flux.load_vae(tiny_flux_dir, dtype=torch.float32, device=run.device)
     run.geometry = flux.latent_geometry(tiny_flux_dir, 32, 32)
+    run.rollout_cfg = RolloutConfig.from_args(args)  # as Run.sampling_inputs builds it
     run.eval_dataset = EmbeddingDataset(tiny_data).use(models.family_for(args), negative=False)
     run.reward_fn = build_reward(args.reward, run.device)
     run.logger = SimpleNamespace(log_image=lambda *a, **k: None)
