@@ -145,7 +145,8 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
                                               model_family=models.spec_of(args))
     cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
                                 guidance=args.guidance_scale, batch_size=args.batch_size,
-                                decode_batch_size=decode_batch, cfg_scale=args.cfg_scale)
+                                decode_batch_size=decode_batch, cfg_scale=args.cfg_scale,
+                                model_path=args.pretrained_model_name_or_path)
 
     # ---- 3. this rank's images, in batches: sample -> PNG -> score -------------------------------------------
     prompt_ids, sample_indices, real = evaluation.image_items(n, args.num_images_per_prompt, dist.rank,

@@ -32,7 +32,8 @@ from fastvideo.losses import (awm_log_prob, awm_loss, nft_advantages, nft_loss, 
 from fastvideo.memory import plan_nft
 from fastvideo.objectives import parse_nft_args, validate_nft
 from fastvideo.policy import nft_uses_old_policy
-from fastvideo.rollout import awm_timesteps, forward_noise, model_velocity, nft_timesteps, rollout
+from fastvideo.rollout import (awm_timesteps, forward_noise, model_velocity, nft_timesteps, rollout,
+                               rollout_sigmas)
 from fastvideo.training import rank_mean
 
 
@@ -133,10 +134,17 @@ class Update:
     counts: list[int] = field(default_factory=list)  # weighted micro-batches: trained rows per entry of ``logs``
 
 
-def trained_timesteps(args: argparse.Namespace, noise, step: int, samples) -> torch.Tensor:
-    """(B, K) indices into the sampling grid: DiffusionNFT's per-sample random subset, or AWM's stratified draw."""
-    keys = (noise, step, samples.prompt_ids, samples.sample_indices, args.sampling_steps, args.timestep_fraction)
-    return awm_timesteps(*keys, args.awm_timesteps) if args.objective == "awm" else nft_timesteps(*keys)
+def trained_timesteps(run: training.Run, step: int, samples) -> torch.Tensor:
+    """(B, K) CPU indices into the sampling grid: DiffusionNFT's per-sample random subset, or AWM's stratified draw
+    (--awm_time_type, --awm_strata; flow_factory reads the grid's timesteps: the CPU grid, no device read)."""
+    args = run.args
+    keys = (run.noise, step, samples.prompt_ids, samples.sample_indices, args.sampling_steps, args.timestep_fraction)
+    if args.objective != "awm":
+        return nft_timesteps(*keys)
+    sigmas = (rollout_sigmas(models.family_of(run.policy.model), run.rollout_cfg, run.geometry.seq_len)
+              if args.awm_strata == "flow_factory" else None)
+    return awm_timesteps(*keys, args.awm_timesteps, time_type=args.awm_time_type, strata=args.awm_strata,
+                         sigmas=sigmas)
 
 
 def micro_batch_inputs(run: training.Run, batch: dict, samples, idx_cpu: torch.Tensor) -> tuple[torch.Tensor, dict,
@@ -168,7 +176,8 @@ def awm_kwargs(args: argparse.Namespace, *, weighting_only: bool = False) -> dic
     weighting = dict(weighting=args.awm_weighting, ghuber_power=args.ghuber_power)
     return weighting if weighting_only else dict(
         **weighting, clip_range=args.awm_clip_range, adv_clip_max=args.adv_clip_max,
-        advantage_max=args.awm_advantage_max, kl_beta=args.kl_beta, old_kl_beta=args.old_kl_beta)
+        advantage_max=args.awm_advantage_max, kl_beta=args.kl_beta, old_kl_beta=args.old_kl_beta,
+        advantage_weight=args.awm_advantage_weight, old_kl=args.awm_old_kl)
 
 
 def rollout_log_probs(run: training.Run, traj, batch: dict, samples, timesteps_dev: torch.Tensor, step: int,
@@ -203,7 +212,7 @@ def update_policy(run: training.Run, traj, batch: dict, samples, advantages: tor
     velocity = velocity_kwargs(run)
     x0 = traj.clean_latents  # (B, L, C) float32
     keep_dev, keep_cpu = devices.to_device(keep, run.device), keep.cpu()
-    timesteps = trained_timesteps(args, run.noise, step, samples)  # (B, K) indices into the sampling grid
+    timesteps = trained_timesteps(run, step, samples)  # (B, K) indices into the sampling grid
     num_trained = timesteps.shape[1]
     out = Update(timesteps=timesteps)
     optimizer_steps, _ = training.training_order(run, len(samples.prompt_ids), adv_all, step)

@@ -138,7 +138,7 @@ OBJECTIVES: dict[str, Objective] = {
     "grpo": Objective("grpo", "GRPO (clip)", _FLOW_GRPO, {}),
     "grpo_guard": Objective("grpo", "GRPO-Guard", {
         **_FLOW_GRPO, **_GUARD,
-        "--clip_range": "2e-6",  # verl-omni's recommended value (Qwen-Image recipe clip_ratio=2e-6; --clip_range help)
+        "--clip_range": "2e-6",  # verl-omni's Qwen-Image OCR example script (clip_ratio=2e-6; its default is 1e-4)
         # its log-ratio is the plain one times the step's std: the demo's clip 1e-3 x the median flow_sde std of the
         # trained steps (0.46 at eta 1, shift 1, 8 steps) for the candidates
     }, {**_GUARD, "--clip_range": "5e-4", "--gradient_accumulation_steps": "2"}),
@@ -231,13 +231,16 @@ OBJECTIVES: dict[str, Objective] = {
         "--awm_weighting": "ghuber",  # train.awm_weighting: 'ghuber'
         "--ghuber_power": "0.25",  # train.ghuber_power: 0.25
         "--awm_timesteps": "4",  # train.num_train_timesteps: 4
-        "--timestep_fraction": "0.7",  # train.timestep_range: 0.7: 4 strata of the first int(8 x 0.7) = 5 sigmas
+        # train.timestep_range: 0.7: 4 strata of the first int(8 x 0.7) = 5 sigmas (the official span, as measured;
+        # Flow-Factory's own span is --awm_strata flow_factory)
+        "--timestep_fraction": "0.7",
         "--awm_clip_range": "1.0",  # train.clip_range: 1
         "--adv_clip_max": "1.0",  # train.adv_clip_range: 1.0
         "--awm_advantage_max": "1.0",  # advantages in [-1, 1]
         "--global_std": "",  # train.global_std: true
         "--kl_beta": "0",  # train.kl_beta: 0
         "--old_kl_beta": "0.1",  # train.ema_kl_beta: 0.1
+        "--awm_old_kl": "flow_factory",  # trainers/awm.py: the ema_kl_beta term on its own (kl_beta 0)
         "--old_decay_schedule": "awm",  # ema_decay_schedule linear to ema_decay 0.3
         "--old_update_interval": "1",  # train.ema_update_interval: 1
         "--learning_rate": "3e-4",  # train.learning_rate: 3.0e-4 (theirs on a LoRA 64; here full fine-tune)

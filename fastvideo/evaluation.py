@@ -155,13 +155,14 @@ def extra_eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]
 
 # ------------------------------------------------------------------------------------------------ sample.py outputs
 def ode_config(*, height: int, width: int, steps: int, shift: float | None, guidance: float, batch_size: int,
-               decode_batch_size: int = 0, cfg_scale: float = 1.0) -> Any:
+               decode_batch_size: int = 0, cfg_scale: float = 1.0, model_path: str | None = None) -> Any:
     """The ``rollout.RolloutConfig`` of the stock pipeline's sampling: Euler ODE, ``steps`` steps, the family's sigma
-    schedule unless ``shift``, distilled ``guidance``, true CFG ``cfg_scale``; ``batch_size`` images per transformer
-    call, ``decode_batch_size`` latents per VAE call (0 = ``batch_size``)."""
+    schedule (with ``model_path``'s scheduler config) unless ``shift``, distilled ``guidance``, true CFG
+    ``cfg_scale``; ``batch_size`` images per transformer call, ``decode_batch_size`` latents per VAE call (0 =
+    ``batch_size``)."""
     return RolloutConfig(height=height, width=width, sampling_steps=steps, sde_type="flow_sde", eta=0.0, shift=shift,
                          guidance=guidance, batch_size=batch_size, decode_batch_size=decode_batch_size,
-                         cfg_scale=cfg_scale)
+                         cfg_scale=cfg_scale, scheduler=models.read_scheduler_config(model_path))
 
 
 def read_sample_dir(path: str | os.PathLike) -> dict[str, Any]:

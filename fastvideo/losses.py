@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 
 NFT_DECAY_SCHEDULES = ("copy", "linear", "delayed", "awm")
+AWM_ADVANTAGE_WEIGHTS = ("official", "flow_factory")  # awm_advantages' forms, named by source
+AWM_OLD_KL = ("official", "flow_factory")  # the old-policy term: only beside a reference term, or on its own
 NFT_ADV_MODES = ("all", "positive_only", "negative_only", "binary")
 
 
@@ -166,10 +168,10 @@ def flow_dppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
     the flow model gives the step's divergence exactly, so the trust region is enforced on ``D`` itself.
 
     Defined for ``POLICY_LOSS_TABLE["dppo"]``'s SDE types: any Gaussian step with a known std shared by both
-    policies (flow_sde, dance_sde, and cps with its std ``sigma'·sin(a·π/2)``: cps's constant-dropped log_prob
-    rescales the log-ratio by ``2·std² > 0`` without changing its sign, so the mask is the same; UniRL normalises cps
-    by its std the same way, unirl/algorithms/base.py ``_transition_sigma``). The published runs used flow_sde. ``std`` must be > 0 (cps's
-    last step, sigma' = 0, has std 0).
+    policies (flow_sde, dance_sde, and cps: its constant-dropped log_prob rescales the log-ratio by a positive factor
+    without changing its sign, so the ratio's side of 1 is the same). The trainer passes ``std`` as verl-omni divides
+    by (``dppo_divergence_std``: the step's std for flow_sde, ``std·sqrt(-dt)`` for dance_sde and cps). The published
+    runs used flow_sde. ``std`` must be > 0 (cps's last step, sigma' = 0, has std 0).
 
     Inputs as ``grpo_guard_loss``. ``threshold`` ε_D > 0: 1e-5 is both the reference default and the recommended
     value (verl-omni verl_omni/workers/config/diffusion/actor.py ``kl_mask_threshold: float = 1e-5``,
@@ -235,24 +237,39 @@ class PolicyLoss:
     sde_types: tuple[str, ...] | None = None
     refusals: dict[str, str] = field(default_factory=dict)
     metrics: tuple[str, ...] = ()
+    clip_range: float | None = None  # the reference's default --clip_range (None: the loss does not clip)
+    clip_source: str = ""  # where that default comes from (printed when --clip_range is left unset)
+
+
+def dppo_divergence_std(terms: StepTerms, sde_type: str) -> torch.Tensor | float:
+    """The std Flow-DPPO's divergence D divides by, as verl-omni computes it: ``std_dev_t * sqrt(-dt)`` with its
+    scheduler's ``std_dev_t`` (verl_omni/trainer/diffusion/diffusion_algos.py FlowDPPOLoss, ``sigma_t = std_dev_t *
+    sqrt_dt``; pipelines/schedulers/flow_match_sde.py). For flow_sde that is the step's own std; dance_sde's and
+    cps's ``std_dev_t`` already is their step's std (``eta·sqrt(sigma - sigma')``, ``sigma'·sin(a·π/2)``), so verl-omni
+    divides by ``std·sqrt(-dt)`` there: D is ``1/(-dt)`` times the exact per-element KL (UniRL's FlowDPPO uses the
+    flow_sde formula for every type)."""
+    return terms.std if sde_type == "flow_sde" else terms.std * terms.sqrt_neg_dt
 
 
 # GRPO's --policy_loss table; args: the trainer's flags (--clip_range, --dppo_threshold)
 POLICY_LOSS_TABLE: dict[str, PolicyLoss] = {
-    "clip": PolicyLoss(lambda t, args: grpo_loss(t.log_prob, t.old_log_prob, t.advantages, args.clip_range, t.valid)),
+    "clip": PolicyLoss(lambda t, args: grpo_loss(t.log_prob, t.old_log_prob, t.advantages, args.clip_range, t.valid),
+                       clip_range=1e-4, clip_source="Flow-GRPO config/base.py train.clip_range; DanceGRPO --clip_range"),
     "guard": PolicyLoss(
         lambda t, args: grpo_guard_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean, t.std,
                                         t.sqrt_neg_dt, args.clip_range, t.valid),
         needs_means=True, needs_step_size=True, sde_types=("flow_sde", "dance_sde"), metrics=("guard_bias_mean",),
+        clip_range=1e-4, clip_source="verl-omni diffusion_actor.yaml clip_ratio 0.0001 (its Qwen-Image OCR example "
+                                     "script sets 2e-6); Flow-Factory training_args.py clip_range (-1e-4, 1e-4)",
         refusals={"cps": "GRPO-Guard needs the full Gaussian log-density log p = mean(-(x'-mean)²/(2·std²)) - log std "
                          "- ½log 2π of a step whose std is s·sqrt(-dt); cps's log_prob drops the 1/(2·std²) factor, so "
                          "the bias term does not cancel the -‖Δmean‖² drift of the log-ratio, and its std "
                          "(sigma'·sin(a·π/2)) is not s·sqrt(-dt), so the 1/(-dt) rescale has no meaning (both "
                          "references run GRPO-Guard on the Flow-GRPO SDE only)"}),
     "dppo": PolicyLoss(
-        lambda t, args: flow_dppo_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean, t.std,
-                                       args.dppo_threshold, t.valid),
-        needs_means=True, sde_types=("flow_sde", "dance_sde", "cps"),
+        lambda t, args: flow_dppo_loss(t.log_prob, t.old_log_prob, t.advantages, t.mean, t.old_mean,
+                                       dppo_divergence_std(t, args.sde_type), args.dppo_threshold, t.valid),
+        needs_means=True, needs_step_size=True, sde_types=("flow_sde", "dance_sde", "cps"),
         metrics=("dppo_divergence_mean", "dppo_masked_frac")),
 }
 POLICY_LOSSES = tuple(POLICY_LOSS_TABLE)  # clip: grpo_loss, guard: grpo_guard_loss, dppo: flow_dppo_loss
@@ -488,13 +505,19 @@ def awm_log_prob(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.
     return -w
 
 
-def awm_advantages(advantages: torch.Tensor, adv_clip_max: float = 5.0, advantage_max: float = 1.0) -> torch.Tensor:
-    """AWM's advantage weights ``clamp(A, ±adv_clip_max) / adv_clip_max * advantage_max`` (float32, detached, NaN ->
-    0), as train_sd3_awm.py (config.train.adv_clip_max 5, config.train.advantage_max 1: weights in [-1, 1])."""
+def awm_advantages(advantages: torch.Tensor, adv_clip_max: float = 5.0, advantage_max: float = 1.0,
+                   form: str = "official") -> torch.Tensor:
+    """AWM's advantage weights (float32, detached, NaN -> 0). ``official``: ``clamp(A, ±adv_clip_max) / adv_clip_max
+    * advantage_max``, as scxue/advantage_weighted_matching scripts/train_sd3_awm.py (config.train.adv_clip_max 5,
+    config.train.advantage_max 1: weights in [-1, 1]); ``flow_factory``: ``clamp(A, ±adv_clip_max)``, no division, as
+    X-GenGroup/Flow-Factory src/flow_factory/trainers/awm.py (adv_clip_range; its AWM examples 1.0). With
+    ``adv_clip_max`` 1 the two agree; at 5 the official weight of |A| < 5 is 5x smaller."""
     if adv_clip_max <= 0:
         raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
-    a = torch.nan_to_num(advantages.detach().to(torch.float32), nan=0.0)
-    return a.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max
+    if form not in AWM_ADVANTAGE_WEIGHTS:
+        raise ValueError(f"--awm_advantage_weight must be one of {AWM_ADVANTAGE_WEIGHTS}, got {form!r}")
+    a = torch.nan_to_num(advantages.detach().to(torch.float32), nan=0.0).clamp(-adv_clip_max, adv_clip_max)
+    return a / adv_clip_max * advantage_max if form == "official" else a
 
 
 def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor | float,
@@ -502,7 +525,8 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
              ghuber_power: float = 0.25, clip_range: float = 1.0, adv_clip_max: float = 5.0,
              advantage_max: float = 1.0, v_ref: torch.Tensor | None = None, kl_beta: float = 0.0,
              v_old: torch.Tensor | None = None, old_kl_beta: float = 0.0, keep: torch.Tensor | None = None,
-             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             weights: torch.Tensor | None = None, advantage_weight: str = "official",
+             old_kl: str = "flow_factory") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantage Weighted Matching (Xue et al., arXiv:2509.25050): the flow-matching loss of the policy on its own
     samples ``x0``, weighted by their group advantages, in the PPO-clipped form of the published code.
 
@@ -512,7 +536,9 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
     target ``eps - x0``, a negative one pushes it away); ``ratio = exp(lp - old)``; ``a = awm_advantages(A)``;
     ``policy = mean(max(-a ratio, -a clamp(ratio, 1 - clip_range, 1 + clip_range)))``;
     ``loss = policy + kl_beta mean(mean_dims((v_theta - v_ref)²)) + old_kl_beta mean(mean_dims((v_theta - v_old)²))``
-    (each distance when its velocity is given). ``t`` a float, 0-d or (B,); ``keep`` (B,) bool as in ``nft_loss`` (a
+    (each distance when its velocity is given; ``old_kl`` "official": the old-policy term only with ``kl_beta > 0``,
+    as train_sd3_awm.py nests ema_beta's term in ``if beta > 0``; "flow_factory": on its own, as its ema_kl_beta).
+    ``advantage_weight``: ``awm_advantages``'s form. ``t`` a float, 0-d or (B,); ``keep`` (B,) bool as in ``nft_loss`` (a
     dropped sample adds exactly 0; the batch mean still divides by B); ``weights`` (B,) as in ``nft_loss``.
     Sources: scxue/advantage_weighted_matching scripts/train_sd3_awm.py (loss_type "exp_first", config.train.advantage_max, clip_range, beta and ema_beta with
     kl_weight "Uniform"); X-GenGroup/Flow-Factory src/flow_factory/trainers/awm.py ``AWMTrainer.optimize`` (kl_beta,
@@ -530,7 +556,7 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
     vt, x0f, epsf = (mask(x.to(torch.float32)) for x in (v_theta, x0.detach(), eps.detach()))
     lp = awm_log_prob(vt, x0f, epsf, t, weighting=weighting, ghuber_power=ghuber_power)  # (B,)
     old = lp.detach() if old_log_prob is None else mask(old_log_prob.detach().to(torch.float32).reshape(lp.shape))
-    a = awm_advantages(advantages, adv_clip_max, advantage_max).to(lp.device)
+    a = awm_advantages(advantages, adv_clip_max, advantage_max, advantage_weight).to(lp.device)
     count = float(lp.shape[0]) if kept is None else kept.sum().clamp(min=1).to(torch.float32)
 
     def kept_mean(x: torch.Tensor) -> torch.Tensor:  # metrics: no boolean indexing (a host sync on a GPU)
@@ -541,6 +567,10 @@ def awm_loss(v_theta: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, t: torc
     policy = _reduce(mask(per_sample), weights)
     loss = policy
     distances = {}
+    if old_kl not in AWM_OLD_KL:
+        raise ValueError(f"--awm_old_kl must be one of {AWM_OLD_KL}, got {old_kl!r}")
+    if old_kl == "official" and not kl_beta > 0:
+        v_old = None  # the official code adds the EMA term only beside a reference term
     for name, v_other, weight in (("kl_loss", v_ref, kl_beta), ("old_kl_loss", v_old, old_kl_beta)):
         distances[name] = torch.zeros((), dtype=torch.float32, device=lp.device)
         if v_other is not None:

@@ -179,6 +179,12 @@ def _meta_measurement() -> Iterator[_LiveBytes]:
         F.scaled_dot_product_attention = original
 
 
+def _block_kind(block: torch.nn.Module) -> tuple:
+    """What makes two blocks hold the same activations: their class and their parameters' names and shapes (SD3.5-M:
+    13 dual-attention blocks, 10 plain ones and a context-pre-only last block are three kinds)."""
+    return type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+
 def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                                  dtype: torch.dtype, *, train: bool) -> int:
     """Peak bytes of live activations for one forward (and backward when ``train``) of a meta-device transformer
@@ -186,26 +192,40 @@ def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_token
     dropped as soon as they are accumulated (FSDP reduce-scatters them per unit; that unit's gradient is planned
     separately).
 
-    Every block of a list holds the same activations, so the peak is linear in the block counts (no grad: flat;
-    training: each block's saved tensors, or its checkpointed inputs, plus one block's backward): a deep model is
-    traced with 2 blocks per list, then with one more in each list in turn, and extrapolated, which equals the full
-    trace (``tests/test_memory.py``) at a tenth of its time for FLUX.1-dev's 19+38 blocks (the tracer costs ~0.2 ms
-    per op)."""
+    Blocks of one kind (``_block_kind``) hold the same activations, so the peak is linear in each kind's count (no
+    grad: flat; training without checkpointing: each block's saved tensors plus one block's backward). A deep
+    model is traced with the first 2 blocks of every kind (in their order), then with a third of one kind in turn, and
+    extrapolated per kind, which equals the full trace (``tests/test_memory.py``) at a fraction of its time (the
+    tracer costs ~0.2 ms per op). A first, discarded trace builds what a forward allocates once and keeps (e.g. a
+    cached rotary table), so no trace counts it and the per-block differences stay per block."""
     names = models.family_of(model).block_lists
-    lists = {name: getattr(model, name) for name in names}
-    if any(len(blocks) <= 3 for blocks in lists.values()):
+    originals = {name: getattr(model, name) for name in names}
+    lists = {name: list(blocks) for name, blocks in originals.items()}
+    kinds = {name: [_block_kind(b) for b in blocks] for name, blocks in lists.items()}
+    counts = {(name, k): ks.count(k) for name, ks in kinds.items() for k in set(ks)}
+    # with gradient checkpointing the training peak is the larger of two moments (every block's saved input plus the
+    # last block's recomputation, or fewer inputs plus a wider block's backward): a max, not linear in the counts,
+    # so it is traced whole (~2 s for FLUX.1-dev's 57 blocks: the tracer's time is per op, not per byte)
+    checkpointed = train and bool(getattr(model, "gradient_checkpointing", False))
+    if checkpointed or all(c <= 3 for c in counts.values()):
         return _traced_activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
 
-    def traced(extra: str | None) -> int:
+    def traced(extra: tuple | None) -> int:
         for name, blocks in lists.items():
-            setattr(model, name, torch.nn.ModuleList(list(blocks)[:3 if name == extra else 2]))
+            kept, seen = [], {}
+            for block, kind in zip(blocks, kinds[name]):
+                seen[kind] = seen.get(kind, 0) + 1
+                if seen[kind] <= (3 if extra == (name, kind) else 2):
+                    kept.append(block)
+            setattr(model, name, torch.nn.ModuleList(kept))
         return _traced_activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
 
     try:
+        traced(None)  # the one-time allocations, kept by the model, so the traces below do not count them
         base = traced(None)
-        return base + sum((len(blocks) - 2) * (traced(name) - base) for name, blocks in lists.items())
+        return base + sum((count - 2) * (traced(key) - base) for key, count in counts.items() if count > 2)
     finally:
-        for name, blocks in lists.items():
+        for name, blocks in originals.items():
             setattr(model, name, blocks)
 
 

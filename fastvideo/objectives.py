@@ -4,6 +4,7 @@ and the batch arithmetic)."""
 from __future__ import annotations
 
 import argparse
+import os
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from fastvideo.advantages import AdvantageOptions, GroupOptions
 from fastvideo.config import DPO_ONLINE_ONLY, build_parser, field_defaults, parse_with_config, validate_common
 from fastvideo.evaluation import EvalOptions
 from fastvideo.logging import LoggingOptions
-from fastvideo.losses import POLICY_LOSSES, policy_loss_sde_refusal
+from fastvideo.losses import (AWM_ADVANTAGE_WEIGHTS, AWM_OLD_KL, POLICY_LOSS_TABLE, POLICY_LOSSES,
+                              policy_loss_sde_refusal)
 from fastvideo.memory import PlanOptions
 from fastvideo.models import ModelOptions
 from fastvideo.options import need, opt
@@ -22,7 +24,8 @@ from fastvideo.policy import LoRAOptions, OptimOptions, nft_uses_old_policy
 from fastvideo.record import AlignmentOptions
 from fastvideo.resume import CheckpointOptions
 from fastvideo.rewards import RewardOptions
-from fastvideo.rollout import TIMESTEP_SELECTIONS, SamplingOptions, changed_flags, validate_sampling
+from fastvideo.rollout import (AWM_STRATA, AWM_TIME_TYPES, TIMESTEP_SELECTIONS, SamplingOptions, changed_flags,
+                               validate_sampling)
 from fastvideo.schedulers import KL_FORMS
 
 
@@ -39,15 +42,19 @@ class GRPOOptions:
     policy_loss: str = opt(
         "clip", "the per-step policy loss: clip = PPO-clipped ratio (Flow-GRPO / DanceGRPO) | guard = GRPO-Guard "
         "(arXiv 2510.22319, verl-omni GRPOGuardLoss): the ratio exp((lp - lp_old + b) sqrt(-dt) s) with the mean "
-        "bias b = mean((mu - mu_old)^2) / (2 std^2), clipped, the step's loss times 1/(-dt); its recommended "
-        "--clip_range is 2e-6 (verl-omni's Qwen-Image recipe); flow_sde / dance_sde only | dppo = Flow-DPPO "
+        "bias b = mean((mu - mu_old)^2) / (2 std^2), clipped, the step's loss times 1/(-dt) (--clip_range unset: "
+        "1e-4, verl-omni's and Flow-Factory's default; verl-omni's Qwen-Image OCR script sets 2e-6); flow_sde / "
+        "dance_sde only | dppo = Flow-DPPO "
         "(arXiv 2606.11025, verl-omni FlowDPPOLoss): no clipping; a sample's -A ratio is masked when the step's "
         "Gaussian divergence D = mean((mu - mu_old)^2) / (2 std^2) >= --dppo_threshold and the ratio already moved "
         "in the advantage's direction. guard/dppo keep each stochastic step's rollout mean (B x S x L x C fp32)",
         choices=POLICY_LOSSES)
     dppo_threshold: float = opt(1e-5, "--policy_loss dppo: divergence threshold eps_D of the mask (verl-omni "
                                       "FlowDPPOLoss default and recipes: 1e-5)")
-    clip_range: float = opt(1e-4, "PPO clip range on the probability ratio (--policy_loss clip and guard)")
+    clip_range: float | None = opt(None, "PPO clip range on the probability ratio (--policy_loss clip and guard); "
+                                         "unset: the policy loss's reference default (clip: 1e-4, Flow-GRPO / "
+                                         "DanceGRPO; guard: 1e-4, verl-omni / Flow-Factory), printed at start-up; "
+                                         "dppo does not clip (it is only the first update's on-policy check)")
     kl_beta: float = opt(0.0, "weight of the KL to the reference policy, mean((mu - mu_ref)^2) / (2 s^2) per "
                               "trained step (0 = off; Flow-GRPO uses 0.04). s is set by --kl_form")
     kl_form: str = opt(
@@ -131,6 +138,22 @@ class NFTOptions:
                                      "optimizer step)")
     awm_advantage_max: float = opt(1.0, "AWM: advantage weight a = clamp(A, +-adv_clip_max) / adv_clip_max x this "
                                         "(AWM config.train.advantage_max 1: a in [-1, 1])")
+    awm_advantage_weight: str = opt(
+        "official", "AWM: the advantage weight's form: official = clamp(A, +-adv_clip_max) / adv_clip_max x "
+        "--awm_advantage_max (scxue/advantage_weighted_matching train_sd3_awm.py, adv_clip_max 5) | flow_factory = "
+        "clamp(A, +-adv_clip_max), no division (Flow-Factory trainers/awm.py adv_clip_range; its examples: 1)",
+        choices=AWM_ADVANTAGE_WEIGHTS)
+    awm_time_type: str = opt(
+        "discrete", "AWM: which grid indices the --awm_timesteps strata cover: discrete = from the first (sigma 1) | "
+        "discrete_wo_init = from the second (the official GenEval/OCR configs' time_type)", choices=AWM_TIME_TYPES)
+    awm_strata: str = opt(
+        "official", "AWM: the index span the strata cut: official = [0 or 1, int(S x --timestep_fraction)] (the "
+        "official code) | flow_factory = the grid indices whose timestep 1000 sigma >= 1000 (1 - "
+        "--timestep_fraction), last one included (Flow-Factory TimeSampler.discrete)", choices=AWM_STRATA)
+    awm_old_kl: str = opt(
+        "official", "AWM: where the --old_kl_beta term applies: official = only with --kl_beta > 0 (train_sd3_awm.py "
+        "adds ema_beta's term inside `if beta > 0`) | flow_factory = on its own (Flow-Factory's ema_kl_beta)",
+        choices=AWM_OLD_KL)
     old_kl_beta: float = opt(0.0, "AWM: weight of mean((v_theta - v_old)^2), the velocity distance to the old policy "
                                   "(a slow EMA of theta, --old_decay_schedule; AWM's ema_beta 1 for SD3.5, "
                                   "Flow-Factory ema_kl_beta 0.1 for FLUX.1-dev; 0 = off)")
@@ -161,8 +184,8 @@ NFT_HELP = {
     "global_std": "normalise advantages by the whole batch's reward std (DiffusionNFT / Flow-GRPO; the NFT default) "
                   "instead of each group's (--no-global_std)",
     "rollout_batch_size": "samples per transformer call during the old-policy rollout (per rank)",
-    "guidance_scale": "FLUX.1-dev distilled guidance value fed to the model; ignored by models without a guidance "
-                      "embedding (true CFG is --cfg_scale: > 1 guides only the rollout's sampling, the NFT / AWM "
+    "guidance_scale": "distilled guidance value fed to the model (unset: the family's pipeline default, FLUX.1-dev "
+                      "3.5, FLUX.2-dev 4.0); ignored by models without a guidance embedding (true CFG is --cfg_scale: > 1 guides only the rollout's sampling, the NFT / AWM "
                       "losses stay on the conditional velocity; the published DiffusionNFT and AWM runs are "
                       "CFG-free, --cfg_scale 1)",
 }
@@ -187,6 +210,19 @@ DPO_HELP = {
 }
 
 
+def resolve_clip_range(args: argparse.Namespace) -> None:
+    """--clip_range unset -> the --policy_loss's reference default (``PolicyLoss.clip_range``), said on rank 0 with its
+    source. Flow-DPPO never clips: there --clip_range is only the first update's on-policy check tolerance (1e-4)."""
+    entry = POLICY_LOSS_TABLE[args.policy_loss]
+    if entry.clip_range is None:
+        args.clip_range = 1e-4 if args.clip_range is None else args.clip_range
+    elif args.clip_range is None:
+        args.clip_range = entry.clip_range
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--clip_range {entry.clip_range:g}: --policy_loss {args.policy_loss}'s reference default "
+                  f"({entry.clip_source})", flush=True)
+
+
 def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
     """GRPO flags and the batch arithmetic; returns the derived counts printed before step 1."""
     validate_common(args)
@@ -202,6 +238,7 @@ def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:
         args.timestep_fraction = 0.6
     need(args.timestep_fraction is None or 0.0 < args.timestep_fraction <= 1.0,
          f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
+    resolve_clip_range(args)
     need(args.clip_range > 0, f"--clip_range must be > 0, got {args.clip_range}")
     need(args.adv_clip_max > 0, f"--adv_clip_max must be > 0, got {args.adv_clip_max}")
     need(args.adv_eps > 0, f"--adv_eps must be > 0, got {args.adv_eps}")
@@ -382,7 +419,7 @@ SDE_ONLY_FLAGS = ("eta", "sde_type", "sde_window_size", "sde_window_range", "sde
 
 # flags of train_nft.py's --objective awm (NFTOptions)
 AWM_FLAGS = ("awm_timesteps", "awm_weighting", "ghuber_power", "awm_clip_range", "awm_advantage_max", "old_kl_beta",
-             "awm_off_policy")
+             "awm_off_policy", "awm_advantage_weight", "awm_time_type", "awm_strata", "awm_old_kl")
 
 
 def _validate_objective(args: argparse.Namespace, defaults: dict[str, Any], grid: int) -> int:
@@ -407,12 +444,26 @@ def _validate_objective(args: argparse.Namespace, defaults: dict[str, Any], grid
     need(args.ghuber_power > 0, f"--ghuber_power must be > 0 (published runs: 0.25), got {args.ghuber_power}")
     need(args.awm_clip_range > 0, f"--awm_clip_range must be > 0 (published runs: 1), got {args.awm_clip_range}")
     need(args.awm_advantage_max > 0, f"--awm_advantage_max must be > 0 (AWM: 1), got {args.awm_advantage_max}")
+    if args.awm_advantage_weight == "flow_factory":
+        drop(("awm_advantage_max",), "rescales the official weight only: --awm_advantage_weight flow_factory is "
+                                     "clamp(A, +-adv_clip_max) itself; drop it")
     need(args.old_kl_beta >= 0, f"--old_kl_beta must be >= 0 (0 = no old-policy term), got {args.old_kl_beta}")
+    need(not (args.old_kl_beta > 0 and args.kl_beta == 0 and args.awm_old_kl == "official"),
+         f"--old_kl_beta {args.old_kl_beta} does nothing with --kl_beta 0 under --awm_old_kl official (the official "
+         "code adds it only with a reference term): set --kl_beta > 0, or --awm_old_kl flow_factory (Flow-Factory's "
+         "ema_kl_beta, on its own)")
     need(args.awm_timesteps >= 0, f"--awm_timesteps must be >= 0 (0 = all {grid}), got {args.awm_timesteps}")
-    trained = args.awm_timesteps or grid
-    need(trained <= grid, f"--awm_timesteps {trained} exceeds the int(--sampling_steps {args.sampling_steps} x "
-                           f"--timestep_fraction {args.timestep_fraction}) = {grid} grid sigmas it draws one per "
-                           f"stratum from: use --awm_timesteps <= {grid} or raise --timestep_fraction")
+    start = 1 if args.awm_time_type == "discrete_wo_init" else 0
+    span = grid - start
+    if args.awm_strata == "flow_factory":  # its span follows the sigma grid: checked against it at the first draw
+        need(args.awm_timesteps > 0, "--awm_strata flow_factory needs --awm_timesteps K (Flow-Factory's "
+                                     "num_train_timesteps; its FLUX.1 example: 4)")
+        return args.awm_timesteps
+    trained = args.awm_timesteps or span
+    need(1 <= trained <= span,
+         f"--awm_timesteps {trained} exceeds the {span} grid sigmas [{start}, int(--sampling_steps "
+         f"{args.sampling_steps} x --timestep_fraction {args.timestep_fraction}) = {grid}) it draws one per stratum "
+         f"from (--awm_time_type {args.awm_time_type}): use --awm_timesteps <= {span} or raise --timestep_fraction")
     return trained
 
 

@@ -395,7 +395,8 @@ def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.Path
     family = models.resolve(model_family, model_path)
     dataset.check_encoders(model_path, model_family)
     dataset.use(family)
-    cfg = RolloutConfig(height=height, width=width, sampling_steps=sampling_steps, eta=0.0, batch_size=32)
+    cfg = RolloutConfig(height=height, width=width, sampling_steps=sampling_steps, eta=0.0, batch_size=32,
+                        scheduler=models.read_scheduler_config(model_path))
     reward_fn = build_reward(reward, device)  # fails on a bad spec before the models load
     transformer = family.load_transformer(model_path, device=device).eval().requires_grad_(False)
     vae = family.load_vae(model_path, device=device)

@@ -54,7 +54,9 @@ LATER_RESUME_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval
                      "awm_clip_range": 1.0, "awm_advantage_max": 1.0, "old_kl_beta": 0.0, "awm_off_policy": False,
                      "group_std": "unbiased", "timestep_selection": "random", "policy_loss": "clip",
                      "dppo_threshold": 1e-5, "kl_form": "per_unit_time", "drop_zero_advantage": False,
-                     "shuffle_micro_batches": False, "dpo_sigma_shift": None, "reward_options": None}
+                     "shuffle_micro_batches": False, "dpo_sigma_shift": None, "reward_options": None,
+                     "awm_advantage_weight": "official", "awm_time_type": "discrete", "awm_strata": "official",
+                     "awm_old_kl": "flow_factory"}
 
 
 def _inert(key: str, config: dict) -> bool:
@@ -70,6 +72,10 @@ def _inert(key: str, config: dict) -> bool:
         return config.get("policy_loss", "clip") != "dppo"
     if key == "kl_form":  # the two forms are equal for flow_sde
         return not config.get("kl_beta") or config.get("sde_type") == "flow_sde"
+    if key.startswith("awm_") and config.get("objective", "nft") != "awm":
+        return True
+    if key == "awm_old_kl":  # the placements differ only for an old-policy term without a reference term
+        return not (config.get("old_kl_beta", 0.0) > 0 and not config.get("kl_beta"))
     return False
 
 

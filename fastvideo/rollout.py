@@ -19,6 +19,7 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -34,8 +35,10 @@ from fastvideo.seeding import NoiseSource
 
 
 LAST_STEP_MODES = ("sde", "ode")
-WINDOW_SCHEDULES = ("random", "sliding", "progressive")
+WINDOW_SCHEDULES = ("random", "sliding", "sliding_hold", "progressive")
 TIMESTEP_SELECTIONS = ("random", "first")
+AWM_TIME_TYPES = ("discrete", "discrete_wo_init")  # AWM's time_type: strata from the first grid index or the second
+AWM_STRATA = ("official", "flow_factory")  # the index span: int(S x fraction) or the timesteps >= 1000 (1 - fraction)
 
 
 def default_window_range(sampling_steps: int) -> tuple[int, int]:
@@ -69,46 +72,43 @@ class RolloutConfig:
     # carries no noise the policy cannot influence (same image as decode_x0, DanceGRPO's choice)
     last_step: str = "sde"
     solver: str = "euler"  # ODE solver: "euler" or "dpm2" (DPM-Solver++(2M), deterministic: needs eta=0)
+    # the model folder's scheduler/scheduler_config.json (models.read_scheduler_config): the family's sigma grid reads
+    # its shift constants; None = the family's stock config
+    scheduler: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        """The one check of the sampler's settings (``validate_sampling`` runs it on the flags through ``from_args``);
+        each message names the flag that sets the field."""
         S = self.sampling_steps
-        if S < 1:
-            raise ValueError(f"sampling_steps must be >= 1, got {S}")
-        if self.sde_type not in SDE_TYPES:
-            raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
-        if self.eta < 0:
-            raise ValueError(f"eta must be >= 0 (0 = ODE sampling), got {self.eta}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size (rollout micro-batch) must be >= 1, got {self.batch_size}")
-        if self.cfg_scale < 1:
-            raise ValueError(f"cfg_scale must be >= 1 (1 = no classifier-free guidance), got {self.cfg_scale}")
-        if self.decode_batch_size < 0:
-            raise ValueError(f"decode_batch_size must be >= 0 (0 = the rollout micro-batch), "
-                             f"got {self.decode_batch_size}")
-        if self.last_step not in LAST_STEP_MODES:
-            raise ValueError(f"last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
-        if self.solver not in ODE_SOLVERS:
-            raise ValueError(f"solver must be one of {ODE_SOLVERS}, got {self.solver!r}")
-        if self.solver == "dpm2" and self.eta != 0:
-            raise ValueError(f"--solver dpm2 is an ODE solver: it needs --eta 0 (deterministic sampling), "
-                             f"got eta={self.eta}")
-        if not 0 <= self.sde_window_size <= S:
-            raise ValueError(f"sde_window_size must be in [0, sampling_steps={S}], got {self.sde_window_size}")
+        need(S >= 1, f"--sampling_steps must be >= 1, got {S}")
+        need(self.sde_type in SDE_TYPES, f"--sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
+        need(self.eta >= 0, f"--eta must be >= 0 (0 = ODE sampling), got {self.eta}")
+        need(self.batch_size >= 1, f"--rollout_batch_size must be >= 1, got {self.batch_size}")
+        need(self.cfg_scale >= 1, f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {self.cfg_scale}")
+        need(self.decode_batch_size >= 0,
+             f"--decode_batch_size must be >= 0 (0 = the rollout micro-batch), got {self.decode_batch_size}")
+        need(self.last_step in LAST_STEP_MODES, f"--last_step must be one of {LAST_STEP_MODES}, got {self.last_step!r}")
+        need(self.solver in ODE_SOLVERS, f"--solver must be one of {ODE_SOLVERS}, got {self.solver!r}")
+        need(not (self.solver == "dpm2" and self.eta != 0),
+             f"--solver dpm2 is an ODE solver: it needs --eta 0 (deterministic sampling), got eta={self.eta}")
+        need(0 <= self.sde_window_size <= S,
+             f"--sde_window_size must be in [0, --sampling_steps={S}], got {self.sde_window_size}")
         if self.sde_window_range is None:
             self.sde_window_range = default_window_range(S)
         lo, hi = (int(v) for v in self.sde_window_range)
         self.sde_window_range = (lo, hi)
-        if self.sde_window_size and not (0 <= lo and hi <= S and hi - lo >= self.sde_window_size):
-            raise ValueError(f"sde_window_range ({lo}, {hi}) must satisfy 0 <= lo, hi <= sampling_steps ({S}) "
-                             f"and hi - lo >= sde_window_size ({self.sde_window_size})")
-        if self.sde_window_schedule not in WINDOW_SCHEDULES:
-            raise ValueError(f"sde_window_schedule must be one of {WINDOW_SCHEDULES}, got {self.sde_window_schedule!r}")
-        if self.sde_window_shift_interval < 1 or self.sde_window_stride < 1:
-            raise ValueError(f"sde_window_shift_interval and sde_window_stride must be >= 1, got "
-                             f"{self.sde_window_shift_interval} and {self.sde_window_stride}")
-        if self.sde_window_size and self.last_step == "ode" and hi == S:
-            raise ValueError(f"sde_window_range ({lo}, {hi}) includes the last step, which last_step='ode' makes "
-                             f"deterministic: end the range at {S - 1} or use last_step='sde'")
+        need(not self.sde_window_size or (0 <= lo and hi <= S and hi - lo >= self.sde_window_size),
+             f"--sde_window_range {lo} {hi} must satisfy 0 <= LO, HI <= --sampling_steps ({S}) and "
+             f"HI - LO >= --sde_window_size ({self.sde_window_size})")
+        need(not (self.sde_window_size and self.last_step == "ode" and hi == S),
+             f"--sde_window_range {lo} {hi} includes the last step, which --last_step ode makes deterministic; end "
+             f"the range at {S - 1} or pass --last_step sde")
+        need(self.sde_window_schedule in WINDOW_SCHEDULES,
+             f"--sde_window_schedule must be one of {WINDOW_SCHEDULES}, got {self.sde_window_schedule!r}")
+        need(self.sde_window_shift_interval >= 1,
+             f"--sde_window_shift_interval must be >= 1 (steps per window position), got "
+             f"{self.sde_window_shift_interval}")
+        need(self.sde_window_stride >= 1, f"--sde_window_stride must be >= 1, got {self.sde_window_stride}")
 
     @property
     def deterministic(self) -> bool:
@@ -127,7 +127,8 @@ class RolloutConfig:
                    sde_window_shift_interval=args.sde_window_shift_interval, sde_window_stride=args.sde_window_stride,
                    init_same_noise=args.init_same_noise, decode_x0=args.decode_x0, batch_size=args.rollout_batch_size,
                    decode_batch_size=args.decode_batch_size, last_step=args.last_step,
-                   solver=getattr(args, "solver", "euler"))
+                   solver=getattr(args, "solver", "euler"),
+                   scheduler=models.read_scheduler_config(args.pretrained_model_name_or_path))
 
 
 @dataclass
@@ -192,16 +193,20 @@ def _step_index(j: int | torch.Tensor, device: torch.device) -> int | torch.Tens
 
 
 def window_position(cfg: RolloutConfig, step: int) -> int:
-    """The start of MixGRPO's moving SDE window at training step ``step`` (>= 1), shared by every sample of the step.
+    """The start of the moving SDE window at training step ``step`` (>= 1), shared by every sample of the step; a pure
+    function of the step, so a resumed run continues the schedule exactly.
 
-    The full-window starts in ``[lo, hi)`` are ``lo, lo + s, ..., lo + (n-1)s`` with ``n = (hi - W - lo) // s + 1``
-    (stride ``s``, window ``W``); the window moves one position every ``shift_interval`` steps. ``sliding`` rolls back
-    to ``lo`` after the last position (MixGRPO's ``GRPOTrainingStates`` with ``roll_back``, which its FLUX script sets);
-    ``progressive`` stays at the last one (verl-omni's ``progressive``). A pure function of the step: a resumed run
-    continues the schedule exactly. Unlike MixGRPO, a window never runs past ``hi`` (its last positions are cut short).
-    """
+    ``sliding`` / ``sliding_hold`` (MixGRPO): the full-window starts in ``[lo, hi)`` are ``lo, lo + s, ..., lo +
+    (n-1)s`` with ``n = (hi - W - lo) // s + 1`` (stride ``s``, window ``W``); position ``k = (step - 1) //
+    shift_interval``; ``sliding`` takes ``k mod n`` (MixGRPO's ``GRPOTrainingStates`` with ``roll_back``, which its
+    FLUX script sets), ``sliding_hold`` ``min(k, n - 1)``. Unlike MixGRPO, a window never runs past ``hi`` (its last
+    positions are cut short). ``progressive`` (verl-omni ``_maybe_make_progressive_window``): ``min(lo + (step //
+    shift_interval) * W, hi - W)``: it moves by the window size, counts from its first global step 1 (so step 1 is
+    already one move on when ``shift_interval`` is 1), and stays at ``hi - W``."""
     lo, hi = cfg.sde_window_range
     W, s = cfg.sde_window_size, cfg.sde_window_stride
+    if cfg.sde_window_schedule == "progressive":
+        return min(lo + (max(0, int(step)) // cfg.sde_window_shift_interval) * W, hi - W)
     positions = (hi - W - lo) // s + 1
     shifts = (int(step) - 1) // cfg.sde_window_shift_interval
     k = shifts % positions if cfg.sde_window_schedule == "sliding" else min(shifts, positions - 1)
@@ -235,10 +240,10 @@ def stochastic_mask(cfg: RolloutConfig, noise: NoiseSource, step: int, prompt_id
 
 def rollout_sigmas(family: Any, cfg: RolloutConfig, image_seq_len: int) -> torch.Tensor:
     """The (S+1,) float32 CPU sigma grid of a rollout: DanceGRPO's static grid with --shift, else the family's stock
-    pipeline schedule (FLUX.1: the resolution-dependent dynamic shift)."""
+    pipeline schedule with the model folder's scheduler config (FLUX.1: the resolution-dependent dynamic shift)."""
     if cfg.shift is not None:
         return get_sigmas(cfg.sampling_steps, shift=cfg.shift)
-    return family.sigmas(cfg.sampling_steps, image_seq_len)
+    return family.sigmas(cfg.sampling_steps, image_seq_len, cfg.scheduler)
 
 
 def batch_cond(family: Any, batch: dict, cfg_scale: float) -> dict[str, torch.Tensor]:
@@ -524,21 +529,48 @@ def nft_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_i
     return torch.stack(perms).to(torch.long)
 
 
+def awm_index_span(sampling_steps: int, timestep_fraction: float, time_type: str = "discrete",
+                   strata: str = "official", sigmas: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(start, end)``: the sampling-grid indices AWM's strata cut, ``linspace(start, end, K+1)``.
+
+    ``official`` (scxue/advantage_weighted_matching scripts/train_sd3_awm.py, time_type "discrete" /
+    "discrete_wo_init"): ``[0 or 1, int(S * timestep_fraction)]``. ``flow_factory`` (X-GenGroup/Flow-Factory
+    src/flow_factory/utils/noise_schedule.py ``TimeSampler.discrete``): the indices whose scheduler timestep
+    ``1000 * sigma`` (float32) lies in ``[1000 (1 - fraction) - 1e-3, 1000 + 1e-3]``, from the first (or the one after
+    it) to the last of them; ``sigmas`` is the rollout's (S+1,) grid."""
+    if time_type not in AWM_TIME_TYPES:
+        raise ValueError(f"--awm_time_type must be one of {AWM_TIME_TYPES}, got {time_type!r}")
+    skip = int(time_type == "discrete_wo_init")
+    if strata == "official":
+        return skip, int(sampling_steps * timestep_fraction)
+    if strata != "flow_factory":
+        raise ValueError(f"--awm_strata must be one of {AWM_STRATA}, got {strata!r}")
+    if sigmas is None:
+        raise ValueError("--awm_strata flow_factory selects by the grid's timesteps: pass the rollout's sigmas")
+    ts = sigmas[:sampling_steps].to(torch.float32) * 1000.0  # FlowMatchEulerDiscreteScheduler.timesteps
+    valid = torch.nonzero((ts >= 1000.0 * (1.0 - timestep_fraction) - 1e-3) & (ts <= 1000.0 + 1e-3)).flatten()
+    if valid.numel() == 0:
+        raise ValueError(f"--timestep_fraction {timestep_fraction} keeps no grid timestep: raise it")
+    return int(valid.min()) + skip, int(valid.max())
+
+
 def awm_timesteps(noise: NoiseSource, step: int, prompt_ids: list[int], sample_indices: list[int],
-                  sampling_steps: int, timestep_fraction: float, num_timesteps: int = 0) -> torch.Tensor:
-    """(B, K) LongTensor (CPU): indices into the sampling grid that AWM trains per sample, its "discrete" draw
-    (scxue/advantage_weighted_matching scripts/train_sd3_awm.py, time_type "discrete"): the first
-    ``M = int(S * timestep_fraction)`` grid sigmas cut into ``K`` strata at ``linspace(0, M, K+1).long()``, one uniform
-    index from each (noisiest first); ``K = num_timesteps``, 0 = ``M``. The reference draws one set per micro-batch;
-    ours is per sample (purpose "awm_timesteps", keyed by ``(step, prompt_id, sample_index)``: independent of batch
-    layout and world size)."""
-    M = int(sampling_steps * timestep_fraction)
-    K = num_timesteps or M
-    if not 1 <= K <= M:
-        raise ValueError(f"AWM trains {K} timesteps out of int(sampling_steps {sampling_steps} x timestep_fraction "
-                         f"{timestep_fraction}) = {M} grid sigmas: need 1 <= K <= {M}")
-    bounds = torch.linspace(0, M, K + 1).long()
-    lower, width = bounds[:-1], bounds[1:] - bounds[:-1]  # (K,) each >= 1 as K <= M
+                  sampling_steps: int, timestep_fraction: float, num_timesteps: int = 0, *,
+                  time_type: str = "discrete", strata: str = "official",
+                  sigmas: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, K) LongTensor (CPU): indices into the sampling grid that AWM trains per sample, its stratified "discrete"
+    draw: the span ``awm_index_span`` cut at ``linspace(start, end, K+1).long()`` into ``K`` strata, one index
+    ``lower + long(u * (upper - lower))`` from each (noisiest first), as both references compute it; ``K =
+    num_timesteps``, 0 = the whole span. The references draw ``u`` once per micro-batch; ours per sample (purpose
+    "awm_timesteps", keyed by ``(step, prompt_id, sample_index)``: independent of batch layout and world size)."""
+    start, end = awm_index_span(sampling_steps, timestep_fraction, time_type, strata, sigmas)
+    K = num_timesteps or end - start
+    if not 1 <= K <= end - start:
+        raise ValueError(f"AWM trains {K} timesteps from the grid indices [{start}, {end}) (--awm_time_type "
+                         f"{time_type}, --awm_strata {strata}, --sampling_steps {sampling_steps} x "
+                         f"--timestep_fraction {timestep_fraction}): need 1 <= K <= {end - start}")
+    bounds = torch.linspace(start, end, K + 1).long()
+    lower, width = bounds[:-1], bounds[1:] - bounds[:-1]  # (K,) each >= 1 as K <= end - start
     draws = [noise.rand((K,), step=step, prompt_id=p, sample_index=s, purpose="awm_timesteps")
              for p, s in zip(prompt_ids, sample_indices)]
     return torch.stack([lower + (u * width).long() for u in draws]).to(torch.long)
@@ -556,7 +588,9 @@ class SamplingOptions:
                         choices=SDE_TYPES)
     eta: float | None = opt(None, "SDE noise level (default by --sde_type: flow_sde 0.9, dance_sde 0.3, cps 0.8)")
     shift: float | None = opt(None, "static sigma shift (DanceGRPO: 3); unset = FLUX dynamic shift like FluxPipeline")
-    guidance_scale: float = opt(3.5, "FLUX.1-dev distilled guidance value (ignored by models without it)")
+    guidance_scale: float | None = opt(None, "distilled guidance value fed to the model (ignored by models without "
+                                             "it); unset: the family's pipeline default (FLUX.1-dev 3.5, FLUX.2-dev "
+                                             "4.0), printed at start-up")
     cfg_scale: float = opt(1.0, "true classifier-free guidance scale, 1 = off (FLUX.1 uses --guidance_scale instead): "
                                 "> 1 samples, replays and evaluates with the guided velocity v_u + s(v_c - v_u) from "
                                 "one batched forward of prompt + negative prompt (Flow-GRPO trains SD3.5-M with 4.5; "
@@ -572,13 +606,14 @@ class SamplingOptions:
         "group and step (Flow-GRPO-Fast) | sliding = MixGRPO's sliding window (arXiv 2507.21802): every sample of a "
         "step shares it; it starts at LO of --sde_window_range, moves by --sde_window_stride every "
         "--sde_window_shift_interval steps and rolls back to LO after the last full position (MixGRPO's --roll_back) "
-        "| progressive = the same, but it stays at the last position (verl-omni's progressive)",
+        "| sliding_hold = the same, but it stays at the last full position | progressive = verl-omni's: start "
+        "min(LO + (step // --sde_window_shift_interval) x W, HI - W), moving by the window size W",
         choices=WINDOW_SCHEDULES)
     sde_window_shift_interval: int = opt(
-        25, "--sde_window_schedule sliding|progressive: training steps the window stays at one position (MixGRPO's "
-        "shift interval tau, iters_per_group: 25 in its FLUX script)")
+        25, "--sde_window_schedule sliding|sliding_hold|progressive: training steps the window stays at one position "
+        "(MixGRPO's shift interval tau, iters_per_group: 25 in its FLUX script; verl-omni's iters_per_group)")
     sde_window_stride: int = opt(
-        1, "--sde_window_schedule sliding|progressive: steps the window moves at each shift (MixGRPO's stride, "
+        1, "--sde_window_schedule sliding|sliding_hold: steps the window moves at each shift (MixGRPO's stride, "
         "prog_overlap_step: 1 in its FLUX script; = --sde_window_size for non-overlapping positions)")
     init_same_noise: bool = opt(False, "share the initial noise within a prompt group")
     decode_x0: bool = opt(False, "score the last predicted clean latent x0_hat (DanceGRPO) instead of the final latent")
@@ -610,39 +645,44 @@ def changed_flags(args: argparse.Namespace, keys: Sequence[str], defaults: dict[
     return [k for k in keys if getattr(args, k) != defaults[k] and not resolved_default(k)]
 
 
+# --guidance_scale of a family whose model takes no guidance input: never read; the value earlier runs recorded, so
+# their checkpoints still resume (guidance_scale is a resume key)
+UNUSED_GUIDANCE = 3.5
+
+
+def fill_family_guidance(args: argparse.Namespace) -> None:
+    """--guidance_scale unset -> the model folder's pipeline default (``ModelFamily.sampler_defaults``: FLUX.1-dev
+    3.5, FLUX.2-dev 4.0), said on rank 0; a family without a guidance input gets ``UNUSED_GUIDANCE``."""
+    family = models.family_for(args)
+    guidance = family.sampler_defaults(args.pretrained_model_name_or_path).guidance
+    args.guidance_scale = UNUSED_GUIDANCE if guidance is None else guidance
+    if guidance is not None and os.environ.get("RANK", "0") == "0":
+        print(f"--guidance_scale {guidance:g}: the {family.name} pipeline's default", flush=True)
+
+
 def validate_sampling(args: argparse.Namespace) -> None:
-    """Sampler flags: steps, eta, window, sizes."""
+    """Sampler flags: what only the flags can say (the trainers' step minimum, sizes, a range or schedule set without
+    a window), the defaults resolved (--eta per --sde_type, the window range), then ``RolloutConfig``'s own check,
+    through the one builder the trainers use."""
     need(args.sampling_steps >= 2, f"--sampling_steps must be >= 2, got {args.sampling_steps}")
     need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")
     if args.eta is None:
         args.eta = DEFAULT_ETA[args.sde_type]
-    need(args.eta >= 0, f"--eta must be >= 0, got {args.eta}")
+    if args.guidance_scale is None:
+        fill_family_guidance(args)
     need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
-    need(args.cfg_scale >= 1,
-         f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {args.cfg_scale}")
-    need(args.rollout_batch_size >= 1, f"--rollout_batch_size must be >= 1, got {args.rollout_batch_size}")
-    need(args.decode_batch_size >= 0, f"--decode_batch_size must be >= 0 (0 = auto), got {args.decode_batch_size}")
-    S = args.sampling_steps
-    need(0 <= args.sde_window_size <= S, f"--sde_window_size must be in [0, --sampling_steps={S}], "
-                                          f"got {args.sde_window_size}")
     need(args.sde_window_size > 0 or not changed_flags(args, ("sde_window_range",), {"sde_window_range": None}),
          "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "
          "--sde_window_size W or drop --sde_window_range")
     if args.sde_window_range is None:
-        args.sde_window_range = default_window_range(S)
-    lo, hi = args.sde_window_range
-    if args.sde_window_size:
-        need(0 <= lo and hi <= S and hi - lo >= args.sde_window_size,
-             f"--sde_window_range {lo} {hi} must satisfy 0 <= LO, HI <= --sampling_steps ({S}) and "
-             f"HI - LO >= --sde_window_size ({args.sde_window_size})")
-        need(not (hi == S and args.last_step == "ode"),
-             f"--sde_window_range {lo} {hi} includes the last step, which --last_step ode makes deterministic; end "
-             f"the range at {S - 1} or pass --last_step sde")
+        args.sde_window_range = default_window_range(args.sampling_steps)
     schedule = args.sde_window_schedule
-    if schedule != "random":
-        need(args.sde_window_size > 0, f"--sde_window_schedule {schedule} moves the SDE window: set --sde_window_size "
-                                        "W (MixGRPO: 4 of 25 steps) or use --sde_window_schedule random")
-        need(args.sde_window_shift_interval >= 1,
-             f"--sde_window_shift_interval must be >= 1 (steps per window position), got "
-             f"{args.sde_window_shift_interval}")
-        need(args.sde_window_stride >= 1, f"--sde_window_stride must be >= 1, got {args.sde_window_stride}")
+    need(schedule == "random" or args.sde_window_size > 0,
+         f"--sde_window_schedule {schedule} moves the SDE window: set --sde_window_size W (MixGRPO: 4 of 25 steps) "
+         "or use --sde_window_schedule random")
+    need(schedule != "progressive" or args.sde_window_stride == 1,
+         f"--sde_window_stride {args.sde_window_stride} does nothing with --sde_window_schedule progressive (verl-omni "
+         "moves the window by its size): drop it, or use sliding / sliding_hold, which move by the stride")
+    cfg = RolloutConfig.from_args(args)
+    if cfg.shift is None:  # a scheduler config the family's grid cannot reproduce: refused here, before loading
+        rollout_sigmas(models.family_for(args), cfg, image_seq_len=4096)

@@ -839,7 +839,8 @@ def default_objectives() -> list[Objective]:
                   lambda a: {"need_reference": a.kl_beta > 0}, update_grpo, variants=("lora",)),
         Objective("awm", objectives.parse_nft_args, objectives.validate_nft,
                   ("--objective", "awm", "--old_kl_beta", "0.1", "--kl_beta", "0.01", "--eta", "0",
-                   "--awm_timesteps", "1", "--timestep_fraction", "1.0", "--shuffle_micro_batches",
+                   "--awm_timesteps", "1", "--timestep_fraction", "1.0", "--awm_strata", "flow_factory",
+                   "--shuffle_micro_batches",
                    "--train_batch_size", "1", "--gradient_accumulation_steps", "1"),  # 2 optimizer steps, weighted
                   old_policy, update_nft, keep_latents=False, variants=("lora",)),
     ]
@@ -930,9 +931,12 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
     """The trainer's ``Run`` as ``start_run`` + ``load_models`` leave it (flags validated for the data-parallel size,
     device defaults resolved, policy built by ``build_policy``, optimizer, LR schedule, VAE), with ``backward``
     replaced by ``_fake_backward`` (``helpers.build_run``, the builder the CPU tests share)."""
+    from fastvideo.rollout import RolloutConfig
+
     args = objective.parse(_flags(shared, objective, variant, extra))
     run = build_run(args, objective.validate, **objective.build(args))
     run.vae, run.geometry, run.reward_fn = shared.vae, shared.geometry, shared.reward
+    run.rollout_cfg = RolloutConfig.from_args(args)  # as Run.sampling_inputs builds it
     if args.reward_overlap:  # as Run.load_models starts it
         from fastvideo.rewards.overlap import OverlapScorer
 
@@ -947,7 +951,6 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     NFT), as the trainers call it."""
     from fastvideo import rollout, training
     from fastvideo.prompt_groups import GroupSampler
-    from fastvideo.rollout import RolloutConfig
 
     args, dist = run.args, run.dist
     samples = GroupSampler(len(shared.prompts), args.prompts_per_step, args.num_generations, seed=args.seed,
@@ -967,7 +970,7 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     policy.model.eval()
     pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: scored on the scorer's thread as decoded
     with sampler as model:
-        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, RolloutConfig.from_args(args),
+        traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, run.rollout_cfg,
                                run.noise, run.geometry, device=run.device, autocast_dtype=run.amp_dtype,
                                keep_latents=objective.keep_latents,
                                keep_means=getattr(args, "policy_loss", "clip") != "clip", on_decoded=pending)

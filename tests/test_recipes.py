@@ -384,3 +384,16 @@ def test_dry_run_plans_sequence_parallel_activations(dry_runs):
     assert 0.2 * act1 < act4 < 0.4 * act1  # measured 0.33: the sequence-independent part stays
     assert "--sp_size 4: 1024 + 128 tokens per rank" in out4
     assert "world_size=8, dp_size=2, sp_size=4" in out4
+
+
+def test_recipes_md_equals_the_recipe_files():
+    """docs/recipes.md is ``python -m fastvideo.recipe_doc``'s rendering of the recipe files as they are now: every
+    value with its source comment, every recipe's header (rerun the command after editing a recipe)."""
+    from fastvideo import recipe_doc
+
+    page = (REPO / "docs" / "recipes.md").read_text()
+    assert page == recipe_doc.render(), "docs/recipes.md is stale: run python -m fastvideo.recipe_doc"
+    for recipe in RECIPES:
+        values = yaml.safe_load(recipe.read_text())
+        section = page.split(f"## {recipe.name}\n", 1)[1].split("\n## ", 1)[0]
+        assert all(f"| `{key}` |" in section for key in values), recipe.name

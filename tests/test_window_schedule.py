@@ -1,6 +1,6 @@
-"""MixGRPO's moving SDE window (--sde_window_schedule sliding | progressive): positions against a hand-written
-re-statement of MixGRPO's GRPOTrainingStates (roll_back) and verl-omni's progressive strategy, the rollout's
-stochastic mask, and the flag checks."""
+"""The moving SDE window (--sde_window_schedule sliding | sliding_hold | progressive): positions against a
+hand-written re-statement of MixGRPO's GRPOTrainingStates (roll_back or held) and a transcription of verl-omni's
+progressive strategy over 1,000 steps, the rollout's stochastic mask, and the flag checks."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,7 @@ def mixgrpo_states(steps: int, lo: int, hi: int, W: int, stride: int, interval: 
 
 @pytest.mark.parametrize("lo,hi,W,stride,interval", [(0, 24, 4, 1, 25), (0, 15, 2, 1, 3), (2, 11, 3, 2, 2),
                                                      (0, 9, 4, 4, 1), (1, 5, 4, 1, 2)])
-@pytest.mark.parametrize("schedule", ["sliding", "progressive"])
+@pytest.mark.parametrize("schedule", ["sliding", "sliding_hold"])
 def test_window_position_follows_mixgrpo(lo, hi, W, stride, interval, schedule):
     S = hi + 1
     cfg = RolloutConfig(height=16, width=16, sampling_steps=S, sde_window_size=W, sde_window_range=(lo, hi),
@@ -53,8 +53,32 @@ def test_paper_schedule_moves_once_per_interval_and_rolls_back():
     assert [window_position(cfg, s) for s in (1, 25, 26, 50, 51)] == [0, 0, 1, 1, 2]
     assert window_position(cfg, 19 * 25 + 1) == 19  # the last full window [19, 23)
     assert window_position(cfg, 20 * 25 + 1) == 0  # then back to the start
-    prog = RolloutConfig(**{**cfg.__dict__, "sde_window_schedule": "progressive"})
-    assert window_position(prog, 20 * 25 + 1) == 19 and window_position(prog, 10_000) == 19
+    hold = RolloutConfig(**{**cfg.__dict__, "sde_window_schedule": "sliding_hold"})
+    assert window_position(hold, 20 * 25 + 1) == 19 and window_position(hold, 10_000) == 19
+
+
+def verl_progressive_window(global_steps: int, size: int, envelope: tuple[int, int], iters_per_group: int) -> int:
+    """verl-project/verl-omni a1139baf verl_omni/pipelines/qwen_image_mix_grpo/vllm_omni_rollout_adapter.py
+    ``_maybe_make_progressive_window`` l.120-137, transcribed: the start of ``extra["sde_window_range"]``."""
+    envelope_start, envelope_end = int(envelope[0]), int(envelope[1])
+    max_start = envelope_end - size
+    if max_start < envelope_start:
+        raise ValueError("window larger than its envelope")
+    iters_per_group = max(1, int(iters_per_group))
+    n_advances = max(0, global_steps) // iters_per_group
+    return min(envelope_start + n_advances * size, max_start)
+
+
+@pytest.mark.parametrize("lo,hi,W,interval", [(0, 5, 2, 1), (0, 24, 4, 25), (2, 11, 3, 2), (0, 9, 4, 1),
+                                              (1, 5, 4, 3), (0, 16, 3, 7)])
+def test_progressive_is_verl_omnis_formula_over_1000_steps(lo, hi, W, interval):
+    """Our training step t (1, 2, ...) is verl-omni's global step (its trainer starts at 1)."""
+    cfg = RolloutConfig(height=16, width=16, sampling_steps=hi + 1, sde_window_size=W, sde_window_range=(lo, hi),
+                        sde_window_schedule="progressive", sde_window_shift_interval=interval)
+    got = [window_position(cfg, t) for t in range(1, 1001)]
+    assert got == [verl_progressive_window(t, W, (lo, hi), interval) for t in range(1, 1001)]
+    if (lo, hi, W, interval) == (0, 5, 2, 1):  # the review's example: 2, 2, 3, 3, ...
+        assert got[:4] == [2, 3, 3, 3]
 
 
 def test_moving_window_is_shared_by_the_step_and_random_stays_per_group():
@@ -76,6 +100,7 @@ def test_moving_window_is_shared_by_the_step_and_random_stays_per_group():
 
 def _sampling_args(**kw) -> argparse.Namespace:
     base = dict(sampling_steps=8, h=16, w=16, sde_type="flow_sde", eta=0.9, shift=None, cfg_scale=1.0, rollout_batch_size=2, decode_batch_size=0,
+                guidance_scale=3.5, init_same_noise=False, decode_x0=False, pretrained_model_name_or_path=None,
                 sde_window_size=0, sde_window_range=None, last_step="sde", sde_window_schedule="random",
                 sde_window_shift_interval=25, sde_window_stride=1)
     base.update(kw)

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastvideo.models.base import FAMILY_ATTRIBUTE, ModelFamily, SamplerDefaults, tag, unwrap_model
+from fastvideo.models.base import (FAMILY_ATTRIBUTE, ModelFamily, SamplerDefaults, read_scheduler_config, tag,
+                                   unwrap_model)
 from fastvideo.options import opt
 from fastvideo.plugins import load_object
 
-__all__ = ["ModelFamily", "SamplerDefaults", "FAMILIES", "names", "resolve", "family_for", "family_of", "tag", "spec_of"]
+__all__ = ["ModelFamily", "SamplerDefaults", "read_scheduler_config", "FAMILIES", "names", "resolve", "family_for",
+           "family_of", "tag", "spec_of"]
 
 # name -> "module:Class" of the adapters this package ships (imported on first use)
 FAMILIES: dict[str, str] = {

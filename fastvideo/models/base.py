@@ -11,6 +11,7 @@ SDE/log-prob maths, the losses, sharding and checkpointing never see a family: t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,31 @@ class SamplerDefaults:
     cfg_scale: float = 1.0  # true classifier-free guidance of the stock pipeline (1 = none: FLUX.1's distilled guidance)
     negative_prompt: str = ""  # the negative prompt --cfg_scale > 1 guides away from (stock pipelines: "")
 
+
+def read_scheduler_config(model_path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """A model folder's ``scheduler/scheduler_config.json`` (the sigma grid's shift and its dynamic-shift constants),
+    or None where the folder has none (the family's stock config then applies)."""
+    if model_path is None:
+        return None
+    path = Path(model_path) / "scheduler" / "scheduler_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def scheduler_settings(scheduler: Mapping[str, Any] | None, stock: Mapping[str, Any], family: str,
+                       required: Mapping[str, Any]) -> dict[str, Any]:
+    """The sigma-grid settings of a model folder's scheduler config: the family's ``stock`` values overridden by the
+    folder's. A setting the family's grid does not implement (``required`` key -> the only value it supports, e.g.
+    ``use_dynamic_shifting``; Karras / exponential / beta sigmas; inverted sigmas) is a ValueError naming the key and
+    the way out (--shift N: a static grid), not a silently different grid."""
+    merged = {**stock, **(scheduler or {})}
+    unsupported = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False,
+                   "invert_sigmas": False, **required}
+    for key, value in unsupported.items():
+        if merged.get(key, value) != value:
+            raise ValueError(f"the model folder's scheduler/scheduler_config.json sets {key}={merged[key]!r}, which "
+                             f"{family}'s sigma grid does not implement (it needs {key}={value!r}); sample on a static "
+                             "grid with --shift N, or use a folder with the stock scheduler config")
+    return merged
 
 class ModelFamily:
     """One model family's adapter (FLUX.1 is ``fastvideo.models.flux.Flux1``). Subclass it, set the class
@@ -149,9 +175,11 @@ class ModelFamily:
         rows' embeddings (``embedding_keys``) on the model's device; ``shared``: ``conditioning``'s result."""
         raise self._missing("predict_velocity")
 
-    def sigmas(self, steps: int, image_seq_len: int) -> torch.Tensor:
+    def sigmas(self, steps: int, image_seq_len: int, scheduler: Mapping[str, Any] | None = None) -> torch.Tensor:
         """The stock pipeline's (S+1,) float32 sigma grid, 1 down to a final 0, for ``steps`` steps at
-        ``image_seq_len`` packed tokens (the default when --shift is unset; --shift gives DanceGRPO's static grid)."""
+        ``image_seq_len`` packed tokens (the default when --shift is unset; --shift gives DanceGRPO's static grid).
+        ``scheduler``: the model folder's ``scheduler/scheduler_config.json`` (``read_scheduler_config``); None: the
+        family's stock config. A config the family cannot reproduce is a ValueError naming the key."""
         raise self._missing("sigmas")
 
     def decode(self, vae: Any, latents: torch.Tensor, geometry: Any, micro_batch: int | None = None

@@ -18,10 +18,12 @@ from fastvideo.models.attention import (FALLBACK_ATTENTION_BACKEND, NPU_ATTENTIO
                                          attention_backend_names, attention_backend_of, check_attention_backend,
                                          set_attention_backend, set_npu_attention)
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components,  # noqa: F401
-                                    component_folder, config_get, model_config, model_dtype, tag, unwrap_model)
+                                    component_folder, config_get, model_config, model_dtype, scheduler_settings, tag,
+                                    unwrap_model)
 from fastvideo.models.common import (LatentGeometry, _Float32Rope, decode, encode,  # noqa: F401
                                      hidden_and_text_tokens, keep_attention_dtype, latent_geometry, pack_latents, unpack_latents, vae_scale_factor)  # FLUX.1's too
 from fastvideo.parallel import text_length_refusal
+from fastvideo.tiny import FLUX_SCHEDULER_CONFIG as SCHEDULER_CONFIG  # FLUX.1-dev's: the grid of a folder without one
 
 # component -> files of which at least one must exist for the component to count as present
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -397,10 +399,15 @@ class Flux1(ModelFamily):
         return predict_velocity(transformer, latents, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"],
                                 shared["img_ids"], shared["txt_ids"], guidance=shared["guidance"])
 
-    def sigmas(self, steps, image_seq_len):
+    def sigmas(self, steps, image_seq_len, scheduler=None):
+        """FluxPipeline's dynamic shift with the folder's constants (base/max shift over base/max sequence length:
+        FLUX.1-dev's 0.5/1.15 over 256..4096 tokens where the folder has no scheduler config)."""
         from fastvideo.schedulers import get_sigmas
 
-        return get_sigmas(steps, image_seq_len=image_seq_len)
+        c = scheduler_settings(scheduler, SCHEDULER_CONFIG, "FLUX.1",
+                               {"use_dynamic_shifting": True, "time_shift_type": "exponential", "shift_terminal": None})
+        return get_sigmas(steps, image_seq_len=image_seq_len, base_seq_len=c["base_image_seq_len"],
+                          max_seq_len=c["max_image_seq_len"], base_shift=c["base_shift"], max_shift=c["max_shift"])
 
     def decode(self, vae, latents, geometry, micro_batch=None):
         return decode(vae, latents, geometry, micro_batch)

@@ -33,7 +33,7 @@ import torch
 from fastvideo import devices
 from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
-                                   config_get, model_config, model_dtype, tag, unwrap_model)
+                                   config_get, model_config, model_dtype, scheduler_settings, tag, unwrap_model)
 from fastvideo.models.common import (LatentGeometry, _Float32Rope, decode as packed_decode, encode as packed_encode,
                                      hidden_and_text_tokens, keep_attention_dtype,
                                      latent_geometry as packed_latent_geometry)
@@ -242,13 +242,16 @@ def predict_velocity(transformer: Any, latents: torch.Tensor, sigma: float | tor
     return out[:, :latents.shape[1]].float()
 
 
-def sigmas(steps: int, image_seq_len: int) -> torch.Tensor:
+def sigmas(steps: int, image_seq_len: int, scheduler: dict[str, Any] | None = None) -> torch.Tensor:
     """(S+1,) float32: the pipelines' ``linspace(1, 1/S, S)`` through ``set_timesteps(sigmas=..., mu=...)`` (numpy
-    float32, exponential time shift with ``mu = compute_empirical_mu(L, S)``), then a final 0."""
+    float32, exponential time shift with ``mu = compute_empirical_mu(L, S)``: the pipeline's fit, whatever the
+    folder's shift constants), then a final 0. ``scheduler``: the folder's config, checked for what would change it."""
     from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # heavy
 
     from fastvideo.schedulers import time_shift
 
+    scheduler_settings(scheduler, {}, "FLUX.2", {"use_dynamic_shifting": True, "time_shift_type": "exponential",
+                                                 "shift_terminal": None})
     if int(steps) < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     steps = int(steps)

@@ -34,7 +34,8 @@ import torch
 from fastvideo import devices
 from fastvideo.models.attention import choose_attention
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
-                                   config_get, model_config, model_dtype, tag, unwrap_model)
+                                   config_get, model_config, model_dtype, scheduler_settings, tag,
+                                   unwrap_model)
 from fastvideo.models.common import LatentGeometry, check_encode_images, keep_attention_dtype, pack_latents, unpack_latents
 from fastvideo.schedulers import flux_mu, time_shift
 from fastvideo.seeding import derive_seed
@@ -406,20 +407,23 @@ class QwenImage(ModelFamily):
                           return_dict=False)[0]
         return out.float()
 
-    def sigmas(self, steps, image_seq_len):
+    def sigmas(self, steps, image_seq_len, scheduler=None):
         """``FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace(1, 1/S, S), mu=calculate_shift(L))`` with
-        Qwen-Image's scheduler config, in the scheduler's numpy float32 arithmetic, then a final 0."""
+        the folder's scheduler config (Qwen-Image's where it has none), in the scheduler's numpy float32 arithmetic,
+        then a final 0."""
         if int(steps) < 2:  # one step: the stretch divides 1 - sigma_last = 0 by itself (the pipeline gives NaN)
             raise ValueError(f"Qwen-Image samples with >= 2 steps (its scheduler's shift_terminal stretch is NaN for "
                              f"one step), got {steps}: pass --sampling_steps 2 or more")
-        c = SCHEDULER_CONFIG
+        c = scheduler_settings(scheduler, SCHEDULER_CONFIG, "Qwen-Image",
+                               {"use_dynamic_shifting": True, "time_shift_type": "exponential"})
         mu = flux_mu(int(image_seq_len), c["base_image_seq_len"], c["max_image_seq_len"], c["base_shift"],
                      c["max_shift"])
         t = np.linspace(1.0, 1 / int(steps), int(steps)).astype(np.float32)
         shifted = time_shift(mu, t, 1.0)
-        one_minus = 1 - shifted  # stretch_shift_to_terminal: the last sigma becomes shift_terminal
-        stretched = 1 - one_minus / (one_minus[-1] / (1 - c["shift_terminal"]))
-        sigmas = torch.from_numpy(np.asarray(stretched)).to(torch.float32)
+        if c.get("shift_terminal"):  # stretch_shift_to_terminal: the last sigma becomes shift_terminal
+            one_minus = 1 - shifted
+            shifted = 1 - one_minus / (one_minus[-1] / (1 - c["shift_terminal"]))
+        sigmas = torch.from_numpy(np.asarray(shifted)).to(torch.float32)
         return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
 
     def decode(self, vae, latents, geometry, micro_batch=None):

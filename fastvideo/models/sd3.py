@@ -31,7 +31,7 @@ from fastvideo import tiny
 from fastvideo.models import common
 from fastvideo.models.attention import attention_backend_of, set_attention_backend
 from fastvideo.models.base import (ModelFamily, SamplerDefaults, build_on_meta, check_components, component_folder,
-                                   config_get, model_dtype, tag, unwrap_model)
+                                   config_get, model_dtype, scheduler_settings, tag, unwrap_model)
 from fastvideo.models.common import keep_attention_dtype
 
 _COMPONENT_FILES: dict[str, tuple[str, ...]] = {
@@ -293,8 +293,11 @@ class SD3(ModelFamily):
                           pooled_projections=pooled, return_dict=False)[0]
         return common.pack_latents(out).float()
 
-    def sigmas(self, steps, image_seq_len):
-        return sigmas(steps)  # static shift: the same grid at every resolution
+    def sigmas(self, steps, image_seq_len, scheduler=None):
+        """The static shift of the folder's scheduler config (SD3/SD3.5: 3.0), the same grid at every resolution."""
+        c = scheduler_settings(scheduler, SD3_SCHEDULER_CONFIG, "SD3",
+                               {"use_dynamic_shifting": False, "shift_terminal": None})
+        return sigmas(steps, float(c["shift"]), int(c["num_train_timesteps"]))
 
     def decode(self, vae, latents, geometry, micro_batch=None):
         return common.decode(vae, latents, geometry, micro_batch)  # latents / scaling + shift, as the pipeline
