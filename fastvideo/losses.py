@@ -132,7 +132,8 @@ def grpo_guard_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantag
     guard_bias_mean (mean ``b``); clipfrac, approx_kl and guard_bias_mean average the ``valid`` rows (as grpo_loss).
     """
     if clip_range <= 0:
-        raise ValueError(f"clip_range must be > 0 (2e-6 is GRPO-Guard's recommended value), got {clip_range}")
+        raise ValueError(f"clip_range must be > 0 (GRPO-Guard's references: 1e-4 by default, 2e-6 in verl-omni's "
+                         f"Qwen-Image script), got {clip_range}")
     lp, old, adv, drift, sd = _step_inputs(log_prob, old_log_prob, advantages, mean, old_mean, std)
     sqdt = _per_sample(sqrt_neg_dt, lp).detach()
     bias = drift / (2 * sd**2)
