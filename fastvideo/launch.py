@@ -14,6 +14,7 @@ import torch
 from fastvideo import devices, errors, memory, parallel, preemption
 from fastvideo import distributed as D
 from fastvideo.devices import compute_dtype
+from fastvideo.options import take_default_notes
 from fastvideo.resume import check_resume_checkpoint, check_resume_step, resolve_resume, run_config
 from fastvideo.rewards import parse_reward_spec
 from fastvideo.seeding import set_deterministic
@@ -90,6 +91,8 @@ def dry_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, in
     if rank != 0:
         return
     resolve_device_defaults(args, device_type)  # as the run on that device type would
+    for line in take_default_notes():
+        print(line, flush=True)
     print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     print(plan(args, counts, world, device_type).format(args.dry_run_device_memory_gb), flush=True)
 

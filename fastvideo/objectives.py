@@ -4,7 +4,6 @@ and the batch arithmetic)."""
 from __future__ import annotations
 
 import argparse
-import os
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from fastvideo.losses import (AWM_ADVANTAGE_WEIGHTS, AWM_OLD_KL, POLICY_LOSS_TAB
                               policy_loss_sde_refusal)
 from fastvideo.memory import PlanOptions
 from fastvideo.models import ModelOptions
-from fastvideo.options import need, opt
+from fastvideo.options import need, note_default, opt
 from fastvideo.parallel import ParallelOptions
 from fastvideo.policy import LoRAOptions, OptimOptions, nft_uses_old_policy
 from fastvideo.record import AlignmentOptions
@@ -211,16 +210,15 @@ DPO_HELP = {
 
 
 def resolve_clip_range(args: argparse.Namespace) -> None:
-    """--clip_range unset -> the --policy_loss's reference default (``PolicyLoss.clip_range``), said on rank 0 with its
-    source. Flow-DPPO never clips: there --clip_range is only the first update's on-policy check tolerance (1e-4)."""
+    """--clip_range unset -> the --policy_loss's reference default (``PolicyLoss.clip_range``), said at start-up with
+    its source (``options.note_default``). Flow-DPPO never clips: there --clip_range is only the first update's on-policy check tolerance (1e-4)."""
     entry = POLICY_LOSS_TABLE[args.policy_loss]
     if entry.clip_range is None:
         args.clip_range = 1e-4 if args.clip_range is None else args.clip_range
     elif args.clip_range is None:
         args.clip_range = entry.clip_range
-        if os.environ.get("RANK", "0") == "0":
-            print(f"--clip_range {entry.clip_range:g}: --policy_loss {args.policy_loss}'s reference default "
-                  f"({entry.clip_source})", flush=True)
+        note_default(f"--clip_range {entry.clip_range:g}: --policy_loss {args.policy_loss}'s reference default "
+                     f"({entry.clip_source})")
 
 
 def validate_grpo(args: argparse.Namespace, world_size: int) -> dict[str, int]:

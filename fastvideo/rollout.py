@@ -19,7 +19,6 @@ step or, with ``solver="dpm2"``, DPM-Solver++(2M) (``schedulers.dpm2_step``, Dif
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,7 +27,7 @@ import torch
 
 from fastvideo import devices, flops, models
 from fastvideo.losses import flow_matching_error
-from fastvideo.options import need, opt
+from fastvideo.options import need, note_default, opt
 from fastvideo.schedulers import (ODE_SOLVERS, SDE_TYPES, dpm2_step, get_sigmas, ode_step, sde_noise_scale,
                                   sde_step_with_logprob)
 from fastvideo.seeding import NoiseSource
@@ -652,12 +651,12 @@ UNUSED_GUIDANCE = 3.5
 
 def fill_family_guidance(args: argparse.Namespace) -> None:
     """--guidance_scale unset -> the model folder's pipeline default (``ModelFamily.sampler_defaults``: FLUX.1-dev
-    3.5, FLUX.2-dev 4.0), said on rank 0; a family without a guidance input gets ``UNUSED_GUIDANCE``."""
+    3.5, FLUX.2-dev 4.0), said at start-up (``options.note_default``); a family without a guidance input gets ``UNUSED_GUIDANCE``."""
     family = models.family_for(args)
     guidance = family.sampler_defaults(args.pretrained_model_name_or_path).guidance
     args.guidance_scale = UNUSED_GUIDANCE if guidance is None else guidance
-    if guidance is not None and os.environ.get("RANK", "0") == "0":
-        print(f"--guidance_scale {guidance:g}: the {family.name} pipeline's default", flush=True)
+    if guidance is not None:
+        note_default(f"--guidance_scale {guidance:g}: the {family.name} pipeline's default")
 
 
 def validate_sampling(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from fastvideo.evaluation import prompt_manifest
 from fastvideo.launch import (check_memory_flags, check_memory_plan, check_output_dir, resolve_device_defaults,
                               with_sp_counts)
 from fastvideo.logging import MetricsLogger, current_memory_gb, peak_memory_gb, progress_bar, save_image_grid
+from fastvideo.options import take_default_notes
 from fastvideo.plot import plot_runs
 from fastvideo.policy import Policy, build_lr_scheduler, build_optimizer, build_policy, export_final
 from fastvideo.prompt_groups import GroupSampler
@@ -571,7 +572,10 @@ def start_run(args: argparse.Namespace, validate: Callable[[argparse.Namespace, 
     noise, recorder, replay = record.open_alignment(args, config, dist, NoiseSource(args.seed, device=args.noise_device),
                                                     amp_dtype, start_step, run_identity(config)["config_fingerprint"])
     seed_all(args.seed)
+    notes = take_default_notes()
     if dist.is_main:
+        for line in notes:
+            print(line, flush=True)
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     return Run(args=args, dist=dist, counts=counts, config=config, resume_dir=resume_dir, noise=noise,
                amp_dtype=amp_dtype, recorder=recorder, replay=replay)
