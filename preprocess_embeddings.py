@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "default: the family's pipeline default (FLUX.1: 512 T5 tokens)")
     p.add_argument("--negative_prompt", default=None,
                    help="also store this prompt's embeddings, the unconditional branch of --cfg_scale > 1 in the "
-                        "trainers and sample.py (e.g. --negative_prompt \"\"); default: none (CFG-free training)")
+                        "trainers and sample.py (e.g. --negative_prompt \"\"); default: the family pipeline's "
+                        "negative prompt where that pipeline guides with CFG (SD3.5 \"\", Qwen-Image \" \", FLUX.2 "
+                        "base \"\"), none where it does not (FLUX.1, distilled FLUX.2)")
     p.add_argument("--batch_size", type=int, default=8, help="prompts per text-encoder forward pass")
     p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE,
                    help="prompts per shard file (the unit of work per rank and of resume)")
@@ -47,14 +49,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def fill_family_text_defaults(args: argparse.Namespace) -> None:
+    """Unset --max_sequence_length and --negative_prompt from the family's pipeline defaults: its text length, and
+    its negative prompt where that pipeline guides with CFG (the trainers' default --cfg_scale then needs it)."""
+    if args.max_sequence_length is not None and args.negative_prompt is not None:
+        return
+    from fastvideo import models
+
+    defaults = models.resolve(args.model_family, args.model_path).sampler_defaults(args.model_path)
+    if args.max_sequence_length is None:
+        args.max_sequence_length = defaults.max_sequence_length
+    if args.negative_prompt is None and defaults.cfg_scale > 1:
+        args.negative_prompt = defaults.negative_prompt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Validate inputs, encode this rank's unfinished shards, then rank 0 writes the manifest."""
     with errors.exit_on_usage_error(), errors.checking():  # a bad flag or path: one line, exit status 2
         args = parse_args(argv)
-        if args.max_sequence_length is None:
-            from fastvideo import models
-
-            args.max_sequence_length = models.resolve(args.model_family, args.model_path).defaults.max_sequence_length
+        fill_family_text_defaults(args)
         writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
                                    max_sequence_length=args.max_sequence_length, dtype=args.dtype,
                                    shard_size=args.shard_size, model_family=args.model_family,

@@ -23,7 +23,7 @@ from fastvideo.evaluation import check_prompts_path
 from fastvideo.models.attention import check_attention_backend
 from fastvideo.options import need
 from fastvideo.rewards import check_url_reward_flags, parse_eval_reward_spec
-from fastvideo.rollout import changed_flags
+from fastvideo.rollout import changed_flags, fill_family_sampling
 
 
 def _add_group(parser: argparse.ArgumentParser, cls: type, help_overrides: dict[str, str] | None = None,
@@ -298,6 +298,22 @@ def _check_manifest(flag: str, path: str | None, model: Path, prompts: str) -> N
                                 f"--prompt_file {prompts} --output_dir {data} first")
 
 
+def _check_negative(args: argparse.Namespace) -> None:
+    """--cfg_scale > 1 (set, or the family's default) needs the negative prompt's embeddings in the store: said
+    before anything loads (the dataset would refuse it only after the model is up)."""
+    if args.cfg_scale <= 1:
+        return
+    for flag, path in (("--data_json_path", args.data_json_path), ("--eval_prompts", args.eval_prompts)):
+        if path is None or not str(path).endswith("json") and not Path(path).is_dir():
+            continue  # --eval_prompts may be a prompt file, encoded with the run's own negative prompt
+        manifest = Path(path) / "manifest.json" if Path(path).is_dir() else Path(path)
+        if manifest.is_file() and not json.loads(manifest.read_text()).get("negative"):
+            raise ValueError(f"--cfg_scale {args.cfg_scale:g} (classifier-free guidance) needs the negative prompt's "
+                             f"embeddings, which {flag} {path} does not hold: re-run preprocess_embeddings.py with "
+                             "--negative_prompt \"\" (or the family's negative prompt) into the same --output_dir "
+                             "(finished shards are kept), or pass --cfg_scale 1 to train CFG-free")
+
+
 def check_parallel_inputs(args: argparse.Namespace) -> None:
     """--sp_size (diffusers support, heads and image tokens divisible; FSDP2), --attention_backend (a diffusers
     backend name) and --peak_tflops, from the configs alone; the world size is checked at launch."""
@@ -344,11 +360,13 @@ def validate_common(args: argparse.Namespace) -> None:
     need(args.sp_size == 1 or family.sequence_parallel,
          f"--sp_size {args.sp_size}: sequence parallelism is not implemented for the {family.name} "
          "family (FLUX.1 has it); run it with --sp_size 1 and shard with FSDP")
+    fill_family_sampling(args)  # unset --h/--w/--sampling_steps/--cfg_scale/--guidance_scale: the family's defaults
     dry_run = args.dry_run  # a plan needs no embeddings (512 text tokens are assumed)
     need(args.data_json_path is not None or dry_run,
          "--data_json_path is required: the manifest.json written by preprocess_embeddings.py")
     if not dry_run:
         _check_manifest("--data_json_path", args.data_json_path, model, "PROMPTS")
+        _check_negative(args)
         check_prompts_path("--eval_prompts", args.eval_prompts)
     need(args.reward_batch_size >= 0, f"--reward_batch_size must be >= 0 (0 = one call), got {args.reward_batch_size}")
     check_url_reward_flags(args)

@@ -563,7 +563,7 @@ class EmbeddingDataset:
         if negative and not self.manifest.get("negative"):
             raise ValueError(f"--cfg_scale > 1 needs the negative prompt's embeddings, which {self.root} does not "
                              "hold: re-run preprocess_embeddings.py with --negative_prompt \"\" (or the family's "
-                             "negative prompt) into the same --output_dir (finished shards are kept)")
+                             "negative prompt) into the same --output_dir (finished shards are kept), or pass --cfg_scale 1")
         if negative:
             negative_file = resolve_inside(self.root, self.manifest["negative"]["file"], str(self.manifest_path))
             if not negative_file.is_file():

@@ -349,13 +349,11 @@ COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h
 
 
 def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
-    """sample.py's unset sampler flags (None) from the model family's pipeline defaults (``SamplerDefaults``)."""
+    """sample.py's unset sampler flags (None) from the model family's pipeline defaults (``SamplerDefaults.fill``)."""
     d = family.sampler_defaults(args.pretrained_model_name_or_path)
-    for flag, value in (("num_inference_steps", d.steps), ("h", d.height), ("w", d.width),
-                        ("max_sequence_length", d.max_sequence_length), ("cfg_scale", d.cfg_scale),
-                        ("guidance_scale", d.guidance if d.guidance is not None else 1.0)):
-        if getattr(args, flag, None) is None:
-            setattr(args, flag, value)
+    d.fill(args, {"num_inference_steps": "steps", "h": "height", "w": "width",
+                  "max_sequence_length": "max_sequence_length", "cfg_scale": "cfg_scale", "guidance_scale": "guidance"},
+           unused_guidance=1.0)
     if getattr(args, "negative_prompt", None) is None and args.cfg_scale > 1:
         args.negative_prompt = d.negative_prompt
 

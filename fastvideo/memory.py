@@ -185,8 +185,32 @@ def _block_kind(block: torch.nn.Module) -> tuple:
     return type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
 
 
+# transformer_activation_bytes's results by the traced model's structure and the call's sizes: one dry run plans the
+# same forward more than once (training with and without checkpointing, the rollout, evaluation), and a process that
+# plans several runs of one model (the launchers' and the tests' in-process planning) repeats whole traces
+_TRACE_MEMO: dict[tuple, int] = {}
+
+
+def _structure(model: torch.nn.Module) -> tuple:
+    """What a meta trace of ``model`` depends on: its class, config, every parameter's name, shape, dtype and
+    trainability (LoRA adapters included) and whether gradient checkpointing is on."""
+    config = getattr(model, "config", None)
+    return (type(model).__qualname__, repr(sorted(dict(config).items())) if config is not None else None,
+            bool(getattr(model, "gradient_checkpointing", False)),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()))
+
+
 def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                                  dtype: torch.dtype, *, train: bool) -> int:
+    """``_activation_bytes`` of ``model``, remembered by its structure and the sizes (``_TRACE_MEMO``)."""
+    key = (_structure(model), batch, image_tokens, text_tokens, dtype, train)
+    if key not in _TRACE_MEMO:
+        _TRACE_MEMO[key] = _activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
+    return _TRACE_MEMO[key]
+
+
+def _activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
+                      dtype: torch.dtype, *, train: bool) -> int:
     """Peak bytes of live activations for one forward (and backward when ``train``) of a meta-device transformer
     (any model family: its ``example_inputs`` and ``block_lists``) on ``batch`` samples. Parameter gradients are
     dropped as soon as they are accumulated (FSDP reduce-scatters them per unit; that unit's gradient is planned

@@ -580,9 +580,11 @@ DEFAULT_ETA = {"flow_sde": 0.9, "dance_sde": 0.3, "cps": 0.8}
 
 @dataclass
 class SamplingOptions:
-    h: int = opt(720, "image height in pixels")
-    w: int = opt(720, "image width in pixels")
-    sampling_steps: int = opt(16, "denoising steps per rollout (S)")
+    h: int | None = opt(None, "image height in pixels; unset: the family pipeline's default (1024 for FLUX.1, SD3.5, "
+                              "Qwen-Image, FLUX.2), printed at start-up")
+    w: int | None = opt(None, "image width in pixels; unset: the family pipeline's default, printed at start-up")
+    sampling_steps: int | None = opt(None, "denoising steps per rollout (S); unset: the family pipeline's default "
+                                           "(FLUX.1 and SD3.5 28, Qwen-Image and FLUX.2 50), printed at start-up")
     sde_type: str = opt("flow_sde", "stochastic sampler: flow_sde (Flow-GRPO) | dance_sde (DanceGRPO) | cps",
                         choices=SDE_TYPES)
     eta: float | None = opt(None, "SDE noise level (default by --sde_type: flow_sde 0.9, dance_sde 0.3, cps 0.8)")
@@ -590,8 +592,9 @@ class SamplingOptions:
     guidance_scale: float | None = opt(None, "distilled guidance value fed to the model (ignored by models without "
                                              "it); unset: the family's pipeline default (FLUX.1-dev 3.5, FLUX.2-dev "
                                              "4.0), printed at start-up")
-    cfg_scale: float = opt(1.0, "true classifier-free guidance scale, 1 = off (FLUX.1 uses --guidance_scale instead): "
-                                "> 1 samples, replays and evaluates with the guided velocity v_u + s(v_c - v_u) from "
+    cfg_scale: float | None = opt(None, "true classifier-free guidance scale, 1 = off; unset: the family pipeline's "
+                                "default (FLUX.1 and distilled FLUX.2 1, SD3.5 7, Qwen-Image and FLUX.2 base 4), printed "
+                                "at start-up. > 1 samples, replays and evaluates with the guided velocity v_u + s(v_c - v_u) from "
                                 "one batched forward of prompt + negative prompt (Flow-GRPO trains SD3.5-M with 4.5; "
                                 "GRPO's ratios are those of the guided step); DPO's and NFT's losses stay on the "
                                 "conditional velocity (their papers train CFG-free). Needs embeddings preprocessed "
@@ -649,26 +652,33 @@ def changed_flags(args: argparse.Namespace, keys: Sequence[str], defaults: dict[
 UNUSED_GUIDANCE = 3.5
 
 
-def fill_family_guidance(args: argparse.Namespace) -> None:
-    """--guidance_scale unset -> the model folder's pipeline default (``ModelFamily.sampler_defaults``: FLUX.1-dev
-    3.5, FLUX.2-dev 4.0), said at start-up (``options.note_default``); a family without a guidance input gets ``UNUSED_GUIDANCE``."""
+# the trainers' sampler flags a family's stock pipeline has a default for (flag -> SamplerDefaults field)
+FAMILY_SAMPLER_FLAGS = {"h": "height", "w": "width", "sampling_steps": "steps", "cfg_scale": "cfg_scale",
+                        "guidance_scale": "guidance"}
+
+
+def fill_family_sampling(args: argparse.Namespace) -> None:
+    """Unset sampler flags -> the model folder's pipeline defaults (``ModelFamily.sampler_defaults``: size, steps,
+    CFG scale, distilled guidance; the shift comes from the folder's scheduler config), said at start-up
+    (``options.note_default``); a family without a guidance input gets ``UNUSED_GUIDANCE``."""
+    if all(getattr(args, flag) is not None for flag in FAMILY_SAMPLER_FLAGS):
+        return
     family = models.family_for(args)
-    guidance = family.sampler_defaults(args.pretrained_model_name_or_path).guidance
-    args.guidance_scale = UNUSED_GUIDANCE if guidance is None else guidance
-    if guidance is not None:
-        note_default(f"--guidance_scale {guidance:g}: the {family.name} pipeline's default")
+    filled = family.sampler_defaults(args.pretrained_model_name_or_path).fill(args, FAMILY_SAMPLER_FLAGS,
+                                                                              unused_guidance=UNUSED_GUIDANCE)
+    if filled:
+        note_default(f"{' '.join(filled)}: the {family.name} pipeline's defaults (flags or a recipe set them)")
 
 
 def validate_sampling(args: argparse.Namespace) -> None:
     """Sampler flags: what only the flags can say (the trainers' step minimum, sizes, a range or schedule set without
     a window), the defaults resolved (--eta per --sde_type, the window range), then ``RolloutConfig``'s own check,
     through the one builder the trainers use."""
+    fill_family_sampling(args)
     need(args.sampling_steps >= 2, f"--sampling_steps must be >= 2, got {args.sampling_steps}")
     need(args.h > 0 and args.w > 0, f"--h/--w must be positive, got {args.h}x{args.w}")
     if args.eta is None:
         args.eta = DEFAULT_ETA[args.sde_type]
-    if args.guidance_scale is None:
-        fill_family_guidance(args)
     need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
     need(args.sde_window_size > 0 or not changed_flags(args, ("sde_window_range",), {"sde_window_range": None}),
          "--sde_window_range does nothing without --sde_window_size (every step is stochastic); set "

@@ -35,7 +35,7 @@ from fastvideo.resume import (check_resume_checkpoint, check_resume_step, load_s
 from fastvideo.rewards import (REWARD_PATH_FLAGS, build_reward, check_reward_paths, check_reward_prompts,
                                display_values, parse_reward_spec)
 from fastvideo.rewards.overlap import OverlapScorer
-from fastvideo.rollout import RolloutConfig
+from fastvideo.rollout import RolloutConfig, fill_family_sampling
 from fastvideo.seeding import NoiseSource, derive_seed, rng_state, seed_all, set_rng_state
 
 
@@ -117,6 +117,7 @@ class Run:
         against the model's text encoders and the reward's prompt grammar, RolloutConfig)``; also opens and checks
         --eval_prompts (a prompt file is encoded first, with the training data's text length)."""
         args = self.args
+        fill_family_sampling(args)  # validation did it; a caller that skips validation gets the same values
         family = models.family_for(args)
         geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
         guided = args.cfg_scale > 1

@@ -881,6 +881,7 @@ class Shared:
     prompts: list[str]
     embedding_rows: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # key -> row
     extra_flags: tuple[str, ...] = ()  # the family's flags on every path (e.g. --cfg_scale)
+    variant_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)  # variant -> its own flags (CFG on/off)
 
 
 def embedding_rows(model_dir: Path, max_sequence_length: int = 32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -897,7 +898,8 @@ def embedding_rows(model_dir: Path, max_sequence_length: int = 32) -> dict[str, 
 
 
 def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, size: int,
-            rows: dict[str, tuple[tuple[int, ...], torch.dtype]], extra_flags: tuple[str, ...] = ()) -> Shared:
+            rows: dict[str, tuple[tuple[int, ...], torch.dtype]], extra_flags: tuple[str, ...] = (),
+            variant_flags: dict[str, tuple[str, ...]] | None = None) -> Shared:
     """Load the model family's VAE (bf16, on the device, as ``Run.load_models`` does) and build the reward, on
     pretend CUDA; ``rows``: ``embedding_rows`` of the folder."""
     from fastvideo import distributed, models
@@ -906,12 +908,13 @@ def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Pa
 
     device = distributed.info().device
     family = models.resolve("auto", model_dir)
-    (work_dir / "manifest.json").write_text("{}")  # flag validation only checks that it exists
+    # flag validation checks that it exists and, with --cfg_scale > 1, that it names the negative prompt's rows
+    (work_dir / "manifest.json").write_text('{"negative": {"prompt": "", "file": "negative.safetensors"}}')
     vae = family.load_vae(model_dir, dtype=torch.bfloat16, device=device)
     reward = build_reward("hpsv2:1.0,toyworld:1.0,toyworld_strict:1.0", device, hps_checkpoint=str(hps_checkpoint),
                           hps_model=str(hps_model))
     return Shared(model_dir, work_dir, size, family.latent_geometry(model_dir, size, size), vae, reward,
-                  list(all_prompts()[:16]), rows, extra_flags)
+                  list(all_prompts()[:16]), rows, extra_flags, dict(variant_flags or {}))
 
 
 # The trace's flags: 2 samples per rank (16 per step over 8 ranks), one rollout micro-batch, 2 sampling steps.
@@ -924,7 +927,8 @@ def _flags(shared: Shared, objective: Objective, variant: str, extra: tuple[str,
     out = shared.work_dir / f"{objective.name}-{variant}"
     return ["--pretrained_model_name_or_path", str(shared.model_dir), "--data_json_path",
             str(shared.work_dir / "manifest.json"), "--output_dir", str(out), "--h", str(shared.size), "--w",
-            str(shared.size), *TRACE_FLAGS, *objective.flags, *VARIANTS[variant], *shared.extra_flags, *extra]
+            str(shared.size), *TRACE_FLAGS, *objective.flags, *VARIANTS[variant], *shared.extra_flags,
+            *shared.variant_flags.get(variant, ()), *extra]
 
 
 def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, ...] = ()) -> Any:
@@ -945,6 +949,15 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
     return run
 
 
+def _padded_mask(b: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A text mask whose row r keeps L - 1 - r tokens (at least 1): prompts of different lengths padded to the stored
+    length, as Qwen-Image's ``prompt_embeds_mask`` rows are, so the masked-attention path is what the trace runs."""
+    mask = torch.ones(b, *shape, dtype=dtype)
+    for r in range(b):
+        mask[r, ..., max(1, shape[-1] - 1 - r):] = 0
+    return mask
+
+
 def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Trace:
     """The step's samples and batch (random embeddings of the family's row shapes, ``negative_<key>`` rows too with
     --cfg_scale > 1, moved as ``batch_to`` moves them), and the rollout with the sampling policy (the old policy for
@@ -963,6 +976,7 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
         for prefix in ("", "negative_") if args.cfg_scale > 1 else ("",):
             for key, (shape, dtype) in shared.embedding_rows.items():
                 batch[prefix + key] = (torch.randn(b, *shape, generator=g) if dtype.is_floating_point
+                                       else _padded_mask(b, shape, dtype) if key.endswith("_mask")
                                        else torch.ones(b, *shape, dtype=dtype))
     batch = training.batch_to(batch, run.device)
     policy = run.policy
@@ -1102,12 +1116,15 @@ class Report:
 def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Path, *,
                   objectives: list[Objective] | None = None, variants: tuple[str, ...] = tuple(VARIANTS),
                   sp_size: int = 2, world_size: int = WORLD_SIZE, size: int = 64,
-                  extra_flags: tuple[str, ...] = ()) -> Report:
+                  extra_flags: tuple[str, ...] = (), variant_flags: dict[str, tuple[str, ...]] | None = None,
+                  overlap: bool = True) -> Report:
     """Trace every objective x variant (build -> rollout + decode -> reward -> update -> checkpoint/export), GRPO LoRA
     with --reward_overlap (two rollout micro-batches scored on the scorer's thread, on fake CUDA tensors behind its
     stream and event) and an ``sp_size`` GRPO LoRA path (build, then the rollout's sampling forwards and decode) at
     ``world_size`` in bf16 on pretend CUDA, for the model family of ``model_dir``; images are ``size`` x ``size``
-    pixels; ``extra_flags`` go on every trainer command line (e.g. ``--cfg_scale 4.5``)."""
+    pixels; ``extra_flags`` go on every trainer command line (e.g. ``--cfg_scale 4.5``), ``variant_flags[v]`` on
+    variant ``v``'s (e.g. CFG on for LoRA, off for the full fine-tune); ``overlap=False`` leaves out the
+    --reward_overlap path (family-free: another family's trace needs it no more than the SP path)."""
     report, t0 = Report(), time.perf_counter()
     work_dir.mkdir(parents=True, exist_ok=True)
     rows = embedding_rows(model_dir)
@@ -1116,14 +1133,15 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
         report.world["trace"] = _world()
         report.autocast = autocast_probe()
         ok, shared = report.step(rec, "shared/vae+reward", lambda: _shared(model_dir, hps_checkpoint, hps_model,
-                                                                         work_dir, size, rows, extra_flags))
+                                                                         work_dir, size, rows, extra_flags,
+                                                                         variant_flags))
         if ok:
             for objective in objectives or default_objectives():
                 for variant in variants:
                     if objective.variants is None or variant in objective.variants:
                         _trace_path(rec, report, shared, objective, variant)
             grpo = next(o for o in default_objectives() if o.name == "grpo")
-            if objectives is None or grpo.name in {o.name for o in objectives}:
+            if overlap and (objectives is None or grpo.name in {o.name for o in objectives}):
                 _trace_path(rec, report, shared, grpo, "lora", ("--reward_overlap", "--rollout_batch_size", "1"),
                             "overlap/grpo/lora")
             if sp_size > 1:
@@ -1314,7 +1332,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma-separated objectives to trace")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (lora, full)")
     parser.add_argument("--sp_size", type=int, default=2, help="the SP path's degree (1 = no SP path)")
+    parser.add_argument("--no_overlap", action="store_true", help="leave out the --reward_overlap GRPO path")
     parser.add_argument("--extra", default="", help="flags for every trainer command line, e.g. '--cfg_scale 4.5'")
+    parser.add_argument("--variant_extra", action="append", default=[], metavar="VARIANT=FLAGS",
+                        help="flags for one variant's command lines, e.g. 'full=--cfg_scale 1' (repeatable)")
     args = parser.parse_args(argv)
     wanted = args.objectives.split(",")
     objectives = [o for o in default_objectives() if o.name in wanted]
@@ -1328,7 +1349,10 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("ignore")
             report = dataclasses.asdict(run_hot_paths(model, hps_checkpoint, hps_model, work / "trace",
                                                       objectives=objectives, variants=tuple(args.variants.split(",")),
-                                                      sp_size=args.sp_size, extra_flags=tuple(args.extra.split())))
+                                                      sp_size=args.sp_size, overlap=not args.no_overlap,
+                                                      extra_flags=tuple(args.extra.split()),
+                                                      variant_flags={v: tuple(f.split()) for v, f in
+                                                                     (e.split("=", 1) for e in args.variant_extra)}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
     print(format_report(report), flush=True)

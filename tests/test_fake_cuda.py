@@ -41,22 +41,28 @@ def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) ->
     return _trace(tiny_flux_dir, hps_flags, tmp_path_factory.mktemp("fake-cuda"))
 
 
-# slow for the default suite's time (~15 s each): the default suite traces FLUX.1 (every objective, variant and SP),
-# whose rollout, replay, update and checkpoint code every family shares; each family's own velocity call is traced here
-FAMILY_PRESETS = tuple(pytest.param(name, marks=pytest.mark.slow(cover="test_fake_cuda.py::test_pretend_cuda_trace",
-                                                                 cost_s=2))
-                       for name in ("sd3-tiny", "qwen-image-tiny", "flux2-tiny"))
+# Every other family in the default tier (~17 s each, one process per family): the FLUX.1 trace above covers the
+# family-free code (rollout, replay, update, checkpoint, SP, --reward_overlap, the GRPO-Guard / Flow-DPPO / AWM
+# updates); these trace each family's own velocity call, encoders' row shapes and VAE in GRPO's rollout and replay,
+# DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
+# 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens). Sequence parallelism is FLUX.1's
+# only (the other families refuse --sp_size > 1 before loading: test_sequence_parallel.py).
+FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny")
+# LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
+VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 
 
 @pytest.fixture(scope="module", params=FAMILY_PRESETS)
 def family_report(request, hps_flags: tuple[str, ...], tmp_path_factory) -> dict:
-    """Another family's trace (its tiny preset): GRPO, DPO and NFT with LoRA and true CFG 4.5 (the doubled guided
-    forward in every loop), no SP path (FLUX.1 only; the full fine-tune's sharding is FLUX.1's family-free path)."""
+    """Another family's trace (its tiny preset): GRPO, DPO and NFT with LoRA and true CFG 4.5, and as a CFG-free full
+    fine-tune; no SP or overlap path."""
     from fastvideo.tiny import build_preset
 
     work = tmp_path_factory.mktemp(f"fake-cuda-{request.param}")
     model = build_preset(work / "model", request.param)
-    return _trace(model, hps_flags, work, "--sp_size", "1", "--variants", "lora", "--extra", "--cfg_scale 4.5")
+    variant_flags = [x for v, f in VARIANT_FLAGS.items() for x in ("--variant_extra", f"{v}={f}")]
+    return _trace(model, hps_flags, work, "--sp_size", "1", "--no_overlap", "--objectives", "grpo,dpo,nft",
+                  "--variants", "lora,full", *variant_flags)
 
 
 @pytest.mark.parametrize("check", list(fake_cuda.CHECKS))
@@ -134,8 +140,9 @@ def test_family_pretend_cuda_trace(family_report: dict, check: str) -> None:
 
 
 def test_family_trace_covers_every_objective(family_report: dict) -> None:
-    """Each objective's LoRA path ran every phase, and attention ran inside every budgeted loop."""
-    expected = {f"{o}/lora/{phase}" for o in fake_cuda.OBJECTIVES
+    """GRPO's, DPO's and NFT's LoRA (CFG) and full (CFG-free) paths ran every phase, and attention ran inside every
+    budgeted loop."""
+    expected = {f"{o}/{v}/{phase}" for o in ("grpo", "dpo", "nft") for v in ("lora", "full")
                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}

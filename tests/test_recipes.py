@@ -266,7 +266,7 @@ def test_recipe_parses_and_validates(recipe, tmp_path):
     model.mkdir()
     (model / "model_index.json").write_text("{}")
     manifest = tmp_path / "manifest.json"
-    manifest.write_text("{}")
+    manifest.write_text('{"negative": {"prompt": "", "file": "negative.safetensors"}}')  # CFG recipes need it
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("")
     args = parse(["--config", str(recipe), "--pretrained_model_name_or_path", str(model), "--data_json_path",

@@ -35,6 +35,24 @@ class SamplerDefaults:
     cfg_scale: float = 1.0  # true classifier-free guidance of the stock pipeline (1 = none: FLUX.1's distilled guidance)
     negative_prompt: str = ""  # the negative prompt --cfg_scale > 1 guides away from (stock pipelines: "")
 
+    def fill(self, args: Any, flags: Mapping[str, str], unused_guidance: float) -> list[str]:
+        """Set each of ``flags`` (flag name -> field name here) that ``args`` leaves unset (None) to this default;
+        a family without a guidance input fills ``guidance`` with ``unused_guidance`` (a value its model never reads).
+        Returns "--flag value" for each value filled from the family (not the unused guidance): what the start-up
+        line says. The one place sample.py's and the trainers' sampler defaults come from."""
+        filled = []
+        for flag, field in flags.items():
+            if getattr(args, flag, None) is not None:
+                continue
+            value = getattr(self, field)
+            if field == "guidance" and value is None:
+                setattr(args, flag, unused_guidance)
+                continue
+            setattr(args, flag, value)
+            filled.append(f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value!r}"
+                          if isinstance(value, str) else f"--{flag} {value}")
+        return filled
+
 
 def read_scheduler_config(model_path: str | os.PathLike | None) -> dict[str, Any] | None:
     """A model folder's ``scheduler/scheduler_config.json`` (the sigma grid's shift and its dynamic-shift constants),
