@@ -445,3 +445,50 @@ def test_replicas_share_and_fail_over(server, token):
     with pytest.raises(RewardServerError, match="every replica of .* failed: VLM judge"):
         vlm_judge.VLMJudge(urls=[dead, dead], model=SERVED, template=vlm_judge.TEMPLATES["yes_no"], retries=0,
                            timeout_s=5)(images[:1], prompts[:1])
+
+
+def test_chat_server_limits(server):
+    """The chat routes' own limits (issue 52): a body over 32 MiB is refused from its Content-Length (413, never
+    read), more than 8 images or 20,000 characters of text per request and an image over 4096^2 pixels (checked on
+    its header, before its pixels are decoded) are 400s naming the limit."""
+    import base64
+    import io
+
+    import http.client as client
+    from PIL import Image
+
+    from fastvideo.rewards import chat_server
+
+    host, port = server.removeprefix("http://").split(":")
+    conn = client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Content-Length", str(33 * 2**20))  # announced, never sent
+    conn.endheaders()
+    reply = conn.getresponse()
+    assert reply.status == 413 and "32 MiB" in json.loads(reply.read())["error"]["message"]
+    conn.close()
+    small = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(small, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(small.getvalue()).decode()
+    nine = {"model": SERVED, "messages": [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": uri}} for _ in range(9)), {"type": "text", "text": "hi"}]}]}
+    with pytest.raises(RewardServerError, match="HTTP 400: the messages hold 9 images, over this server's 8"):
+        _post(server, nine)
+    with pytest.raises(RewardServerError, match="HTTP 400: the messages hold 20001 characters of text"):
+        _post(server, _chat(uri, "a" * 20001))
+    big = io.BytesIO()
+    Image.new("L", (4097, 4096)).save(big, format="PNG")
+    with pytest.raises(RewardServerError, match="HTTP 400: image_url holds a 4097x4096 image, over this server's"):
+        _post(server, _chat("data:image/png;base64," + base64.b64encode(big.getvalue()).decode(), "hi"))
+    assert chat_server.MAX_IMAGE_PIXELS == 4096 * 4096
+
+
+def test_absurd_logprobs_are_the_judges_own_error():
+    """A log-probability above 0 (e.g. 800: exp overflows) or NaN from a broken server is a ValueError naming it,
+    not an OverflowError."""
+    for bad in (800.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="log-probability is a finite number <= 0"):
+            vlm_judge.yes_no_from_logprobs([{"token": "Yes", "logprob": bad}])
+    assert vlm_judge.yes_no_from_logprobs([{"token": "Yes", "logprob": float("-inf")},
+                                           {"token": "No", "logprob": 0.0}]) == 0.0

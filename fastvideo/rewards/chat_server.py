@@ -26,6 +26,7 @@ import base64
 import binascii
 import hmac
 import io
+import json
 import os
 import re
 import threading
@@ -37,12 +38,17 @@ from typing import Any
 
 import torch
 
-from fastvideo.rewards.http import TOKEN_ENV
+from fastvideo.rewards.http import TOKEN_ENV, is_loopback
 
 MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 8192
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
+# request limits: body size, images per request, characters of text per request, pixels per image
+MAX_BODY_MB = 32.0
+MAX_IMAGES = 8
+MAX_TEXT_CHARS = 20000
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 class ChatRequestError(ValueError):
@@ -62,16 +68,35 @@ def decode_image(url: str) -> Any:
         raise ChatRequestError(f"image_url {url[:60]!r} is not a base64 data URI (data:image/png;base64,...): this "
                                "server fetches no URLs; send the image inline")
     try:
-        return Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True))).convert("RGB")
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as err:
+        image = Image.open(io.BytesIO(base64.b64decode(match.group(1), validate=True)))
+        if image.width * image.height > MAX_IMAGE_PIXELS:  # checked on the header, before the pixels are decoded
+            raise ChatRequestError(f"image_url holds a {image.width}x{image.height} image, over this server's "
+                                   f"{MAX_IMAGE_PIXELS} pixels; send a smaller image")
+        return image.convert("RGB")
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        if isinstance(err, ChatRequestError):
+            raise
+
         raise ChatRequestError(f"image_url data URI does not decode to an image ({err}); send base64 PNG or "
                                "JPEG bytes") from None
 
 
 def parse_messages(messages: Any) -> tuple[list[dict], list[Any]]:
-    """OpenAI chat messages -> (messages for the processor's chat template, the images in order of appearance)."""
+    """OpenAI chat messages -> (messages for the processor's chat template, the images in order of appearance);
+    at most MAX_IMAGES images and MAX_TEXT_CHARS characters of text in all."""
     if not isinstance(messages, list) or not messages:
         raise ChatRequestError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    texts = [m.get("content") if isinstance(m.get("content"), str) else part.get("text", "")
+             for m in messages if isinstance(m, dict)
+             for part in ([{}] if isinstance(m.get("content"), str) else m.get("content") or [])
+             if isinstance(part, dict)]
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    if chars > MAX_TEXT_CHARS:
+        raise ChatRequestError(f"the messages hold {chars} characters of text, over this server's {MAX_TEXT_CHARS}")
+    count = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image_url")
+    if count > MAX_IMAGES:
+        raise ChatRequestError(f"the messages hold {count} images, over this server's {MAX_IMAGES} per request")
     rendered, images = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
@@ -242,8 +267,18 @@ def add_chat_routes(app: Any, *, model_dir: str, device: str, served_name: str |
         denied = refused(request)
         if denied is not None:
             return denied
+        declared = request.headers.get("content-length")
+        limit = int(MAX_BODY_MB * 2**20)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return _error(f"the body is over this server's {MAX_BODY_MB:g} MiB", 413, "RequestTooLarge")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return _error(f"the body is over this server's {MAX_BODY_MB:g} MiB", 413, "RequestTooLarge")
         try:
-            body = await request.json()
+            body = json.loads(b"".join(chunks))
         except ValueError:
             return _error("the body is not JSON: send a chat-completions request object", 400, "BadRequestError")
         try:
@@ -268,15 +303,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                        help=f"bearer token clients must send (default: ${TOKEN_ENV}; unset: no check)")
+                        help=f"bearer token clients must send (default: ${TOKEN_ENV}); required unless --host is a "
+                             "loopback address or --insecure_no_token")
+    parser.add_argument("--insecure_no_token", action="store_true",
+                        help="serve a non-loopback --host without a token (warned at start and in /health)")
     args = parser.parse_args(argv)
+    if args.token is None and not is_loopback(args.host) and not args.insecure_no_token:
+        parser.error(f"--host {args.host} serves other machines, and this server has no token: set {TOKEN_ENV} (or "
+                     "--token), or pass --insecure_no_token to serve anyone who reaches the port")
+    warning = None if args.token else ("anyone who reaches this port can use this server" if args.insecure_no_token
+                                       else "any process on this machine can use this server")
     app = FastAPI(title="fastvideo chat server")
     add_chat_routes(app, model_dir=args.model, device=args.device, served_name=args.served_name, token=args.token)
 
     @app.get("/health")
     def health() -> dict:
-        """Liveness probe."""
-        return {"status": "ok"}
+        """Liveness probe (and the no-token warning)."""
+        return {"status": "ok", **({"warning": f"no token: {warning}"} if warning else {})}
+
+    if warning:
+        print(f"warning: no token: {warning}", flush=True)
 
     print(f"serving {args.model} as {args.served_name or args.model!r} on http://{args.host}:{args.port}/v1",
           flush=True)

@@ -69,10 +69,11 @@ def encode_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:
     return save({"images": to_wire(images)}, metadata={"prompts": json.dumps(list(prompts)), "dtype": name})
 
 
-def decode_request(body: bytes, max_image_side: int = 0) -> tuple[torch.Tensor, list[str]]:
+def decode_request(body: bytes, max_image_side: int = 0, widest: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, list[str]]:
     """``(images in their original dtype, prompts)`` of a /score body; ValueError saying what is wrong with it
     (not safetensors, no ``images`` (B,3,H,W) float tensor, prompts missing or not one per image, an image side over
-    ``max_image_side`` when > 0)."""
+    ``max_image_side`` when > 0). ``widest``: restore no wider than this dtype (the server: float32)."""
     fix = "send what fastvideo.rewards.remote.encode_request writes"
     if len(body) < 8:
         raise ValueError(f"the body ({len(body)} bytes) is not a safetensors file; {fix}")
@@ -107,7 +108,10 @@ def decode_request(body: bytes, max_image_side: int = 0) -> tuple[torch.Tensor, 
     dtype = meta.get("dtype", "float32")
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"metadata 'dtype' {dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
-    return images.to(WIRE_DTYPES[dtype]), prompts
+    restored = WIRE_DTYPES[dtype]
+    if widest is not None and restored.itemsize > widest.itemsize:
+        restored = widest
+    return images.to(restored), prompts
 
 
 def read_scores(reply: Any, url: str, count: int) -> dict[str, torch.Tensor]:
@@ -120,30 +124,31 @@ def read_scores(reply: Any, url: str, count: int) -> dict[str, torch.Tensor]:
     else:
         for key, values in scores.items():
             if not isinstance(values, list) or len(values) != count or \
-                    not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                problem = f"'scores.{key}' is not a list of {count} numbers"
+                    not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                problem = f"'scores.{key}' is not a list of {count} numbers (null: not finite)"
                 break
     if problem:
         raise RewardServerError(f"reward server {url}/score answered JSON that is not a reward reply ({problem}; "
                                 f"starting {json.dumps(reply)[:160]}); is it a fastvideo reward server (GET "
                                 f"{url}/health)?", url=url)
-    return {key: torch.tensor(values, dtype=torch.float32) for key, values in scores.items()}
+    return {key: torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+            for key, values in scores.items()}
 
 
 def check_server(url: str, token: str | None, timeout_s: float, retries: int) -> dict:
     """``GET URL/health``: the server's description (spec, components, limits); RewardServerError naming the URL
     when it does not answer, is no fastvideo reward server, serves no reward, or will refuse this client's token."""
     health = request(f"{url}/health", token=token, timeout_s=timeout_s, retries=retries)
+    if isinstance(health, dict) and set(health) == {"status"}:  # a server with a token tells others nothing more
+        how = "is wrong" if token else "is not set"
+        raise RewardServerError(f"reward server {url} requires a bearer token and FASTVIDEO_REWARD_TOKEN {how}; set "
+                                "FASTVIDEO_REWARD_TOKEN to the server's --token on every node", url=url, status=401)
     if not isinstance(health, dict) or "limits" not in health or "spec" not in health:
         raise RewardServerError(f"{url}/health answered {json.dumps(health)[:160]}, not a fastvideo reward server's "
                                 "health; point remote:URL at `python -m fastvideo.rewards.serve`", url=url)
     if not health["spec"]:
         raise RewardServerError(f"reward server {url} serves no reward (started without --reward); restart it with "
                                 "--reward SPEC", url=url)
-    if not health.get("authorized", True):
-        how = "is wrong" if token else "is not set"
-        raise RewardServerError(f"reward server {url} requires a bearer token and FASTVIDEO_REWARD_TOKEN {how}; set "
-                                "FASTVIDEO_REWARD_TOKEN to the server's --token on every node", url=url, status=401)
     return health
 
 
@@ -152,10 +157,10 @@ class RemoteScorer:
 
     def __init__(self, urls: list[str], *, batch_size: int = 0, max_concurrency: int = 4, timeout_s: float = 120.0,
                  retries: int = 2, token: str | None = None, max_request_bytes: int = 0,
-                 max_image_side: int = 0, first_replica: int = 0) -> None:
+                 max_image_side: int = 0, max_images: int = 0, first_replica: int = 0) -> None:
         self.urls, self.batch_size, self.max_concurrency = urls, batch_size, max_concurrency
         self.timeout_s, self.retries, self.token = timeout_s, retries, token
-        self.max_request_bytes, self.max_image_side = max_request_bytes, max_image_side
+        self.max_request_bytes, self.max_image_side, self.max_images = max_request_bytes, max_image_side, max_images
         self.last_batches: list[dict] = []  # the servers' "batch" replies of the last call (merging, for tests)
         self._next = itertools.count(first_replica)  # round-robin position over the replicas, across calls
         self._pool: ThreadPoolExecutor | None = None
@@ -165,8 +170,11 @@ class RemoteScorer:
         return f"RemoteScorer({'|'.join(self.urls)!r})"
 
     def requests_for(self, images: torch.Tensor) -> int:
-        """Images per request: --remote_batch_size (0 = all), lowered to fit the server's --max_request_mb."""
+        """Images per request: --remote_batch_size (0 = all), lowered to fit the server's --max_request_mb and
+        --max_images_per_request."""
         per_request = self.batch_size or images.shape[0]
+        if self.max_images:
+            per_request = min(per_request, self.max_images)
         if self.max_request_bytes:
             per_image = images[0].numel() * images.element_size()
             fits = (self.max_request_bytes - _HEADER_SLACK) // per_image
@@ -237,10 +245,12 @@ def build(url: str, device: torch.device, *, remote_batch_size: int = 0, remote_
     max_bytes = min((int(lim.get("max_request_mb", 0) * 2**20) for lim in limits if lim.get("max_request_mb")),
                     default=0)
     max_side = min((int(lim["max_image_side"]) for lim in limits if lim.get("max_image_side")), default=0)
+    max_images = min((int(lim["max_images_per_request"]) for lim in limits if lim.get("max_images_per_request")),
+                     default=0)
 
     return RemoteScorer(urls, batch_size=remote_batch_size, max_concurrency=remote_max_concurrency,
                         timeout_s=reward_timeout_s, retries=reward_retries, token=token, max_request_bytes=max_bytes,
-                        max_image_side=max_side, first_replica=launch_env()[0])  # rank r starts at replica r
+                        max_image_side=max_side, max_images=max_images, first_replica=launch_env()[0])  # rank r starts at replica r
 
 
 __all__ = ["RemoteScorer", "WIRE_DTYPES", "build", "check_server", "decode_request", "encode_request", "read_scores",

@@ -5,8 +5,10 @@
 
 Trainers and sample.py score with it through ``--reward remote:http://HOST:PORT`` (``fastvideo.rewards.remote``,
 which also holds the wire format). Endpoints: ``POST /score`` (a safetensors body of images and prompts -> JSON
-scores; ``Authorization: Bearer TOKEN`` when the server has a token) and ``GET /health`` (no token: spec, components,
-device, counters, limits). Requests queued together with the same image size and dtype are merged into one reward
+scores; ``Authorization: Bearer TOKEN`` when the server has a token) and ``GET /health`` (``{"status"}`` for anyone;
+with the token: spec, components, device, counters, limits). A non-loopback --host needs a token (or
+--insecure_no_token); admission control (``fastvideo.rewards.batching``): --max_queue (429), --request_timeout_s (503),
+--max_images_per_request and --max_request_mb (413). Requests queued together with the same image size and dtype are merged into one reward
 call of up to --max_batch_size images, waiting at most --max_wait_ms after the first; the reward runs on one worker
 thread (one model, called serially) and each request gets its own slice of the scores back. Built on FastAPI +
 uvicorn (``pip install -e '.[serve]'``); docs/reward-serving.md has every flag, the errors and measured overheads.
@@ -14,7 +16,6 @@ uvicorn (``pip install -e '.[serve]'``); docs/reward-serving.md has every flag, 
 # no ``from __future__ import annotations``: FastAPI reads the endpoints' annotations (Request) at definition time
 import argparse
 import asyncio
-import collections
 import hmac
 import json
 import os
@@ -25,10 +26,8 @@ import sys
 import threading
 import time
 import traceback
-from .http import TOKEN_ENV, request
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -37,152 +36,103 @@ from fastvideo.config import build_parser as build_options_parser
 from fastvideo.config import parse_with_config
 from fastvideo.distributed import pick_device_type
 from fastvideo.rewards import REWARD_PATH_FLAGS, RewardOptions, build_reward, check_reward_prompts, parse_reward_spec
+from fastvideo.rewards.batching import Batcher, Busy, Expired, Gone
+from fastvideo.rewards.http import TOKEN_ENV, is_loopback, request
 
 if TYPE_CHECKING:
     from fastapi import FastAPI  # optional
 
 PROG = "python -m fastvideo.rewards.serve"
-READY_LINE = re.compile(r"^serving .* on (http://\S+)$")  # what main prints once the port answers
-
-
-# ----------------------------------------------------------------------------------------------------- batching
-@dataclass
-class _Pending:
-    """A request waiting in the queue: its images, prompts and the future its handler awaits."""
-
-    images: torch.Tensor
-    prompts: list[str]
-    future: asyncio.Future
-    arrived: float
-
-    @property
-    def key(self) -> tuple:
-        """What requests must share to be merged: image size and dtype."""
-        return tuple(self.images.shape[1:]), self.images.dtype
-
-
-@dataclass
-class Batcher:
-    """Merges queued requests into reward calls of up to ``max_batch_size`` images (a larger request runs alone),
-    waiting at most ``max_wait_s`` after the oldest; one worker thread runs the reward, so calls never overlap."""
-
-    reward_fn: Any
-    max_batch_size: int
-    max_wait_s: float
-    counters: dict[str, int] = field(default_factory=lambda: dict(requests=0, batches=0, images=0,
-                                                                  largest_batch_requests=0))
-    _queue: collections.deque = field(default_factory=collections.deque)
-    _arrived: asyncio.Event | None = None
-    _worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="reward"))
-
-    async def score(self, images: torch.Tensor, prompts: list[str]) -> dict:
-        """Queue one request and wait for its reply (``{"scores": ..., "batch": ...}``; the reward's error raised)."""
-        loop = asyncio.get_running_loop()
-        pending = _Pending(images, prompts, loop.create_future(), loop.time())
-        self._queue.append(pending)
-        self._event().set()
-        return await pending.future
-
-    async def run(self) -> None:
-        """The batching loop (one task for the server's lifetime)."""
-        while True:
-            await self._execute(await self._collect())
-
-    def _event(self) -> asyncio.Event:
-        """The 'a request arrived' event, made in the running loop."""
-        if self._arrived is None:
-            self._arrived = asyncio.Event()
-        return self._arrived
-
-    async def _wait_arrival(self, timeout_s: float | None) -> bool:
-        """Wait until the queue is non-empty (False when ``timeout_s`` passed first)."""
-        while not self._queue:
-            self._event().clear()
-            try:
-                await asyncio.wait_for(self._event().wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return bool(self._queue)
-        return True
-
-    async def _collect(self) -> list[_Pending]:
-        """The next batch: the oldest request, then those queued behind it with its key while they fit, until
-        ``max_batch_size`` images or ``max_wait_s`` after the oldest arrived."""
-        await self._wait_arrival(None)
-        loop = asyncio.get_running_loop()
-        batch = [self._queue.popleft()]
-        size, key, deadline = batch[0].images.shape[0], batch[0].key, batch[0].arrived + self.max_wait_s
-        while size < self.max_batch_size:
-            if not self._queue and not await self._wait_arrival(max(deadline - loop.time(), 0.0)):
-                break
-            head = self._queue[0]
-            if head.key != key or size + head.images.shape[0] > self.max_batch_size:
-                break  # it heads the next batch
-            batch.append(self._queue.popleft())
-            size += head.images.shape[0]
-        return batch
-
-    async def _execute(self, batch: list[_Pending]) -> None:
-        """Score ``batch`` in one reward call and hand each request its slice; when a merged call fails, each request
-        is scored alone, so an error reaches only the request that caused it."""
-        live = [p for p in batch if not p.future.done()]  # a client that went away cancelled its future
-        if not live:
-            return
-        parts = [p.images for p in live]
-        prompts = [prompt for p in live for prompt in p.prompts]
-        self.counters["batches"] += 1
-        batch_id = self.counters["batches"]
-        started = time.perf_counter()
-        try:
-            scores = await asyncio.get_running_loop().run_in_executor(self._worker, self._call, parts, prompts)
-        except Exception as err:  # noqa: BLE001 -- handed to the request(s), which answer 400/500
-            if len(live) > 1:
-                for p in live:
-                    await self._execute([p])
-                return
-            if not live[0].future.done():
-                live[0].future.set_exception(err)
-            return
-        seconds = round(time.perf_counter() - started, 6)
-        self.counters["images"] += len(prompts)
-        self.counters["largest_batch_requests"] = max(self.counters["largest_batch_requests"], len(live))
-        start = 0
-        for p in live:
-            n = p.images.shape[0]
-            if not p.future.done():
-                p.future.set_result({"scores": {k: v[start:start + n] for k, v in scores.items()},
-                                     "batch": {"id": batch_id, "images": len(prompts), "requests": len(live),
-                                               "reward_s": seconds}})
-            start += n
-
-    def _call(self, parts: list[torch.Tensor], prompts: list[str]) -> dict[str, list[float]]:
-        """The reward of the requests' images joined, on the worker thread: scores as lists of floats (exact float32
-        values)."""
-        images = parts[0] if len(parts) == 1 else torch.cat(parts)
-        scores = self.reward_fn(images.to(self.reward_fn.device), prompts)
-        return {key: value.tolist() for key, value in scores.items()}
+READY_LINE = re.compile(r"^serving .* on (https?://\S+)$")  # what main prints once the port answers
 
 
 # ----------------------------------------------------------------------------------------------------- the app
-def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | None = None, max_batch_size: int = 64,
-               max_wait_ms: float = 10.0, max_request_mb: float = 256.0, max_image_side: int = 4096,
-               delay_ms: float = 0.0, chat: dict[str, Any] | None = None) -> "FastAPI":
+# the server's limits: (flag, default) -- what /health reports to a client with the token
+LIMIT_DEFAULTS = {"max_batch_size": 64, "max_wait_ms": 10.0, "max_request_mb": 64.0, "max_image_side": 4096,
+                  "max_images_per_request": 256, "max_queue": 64, "request_timeout_s": 100.0,
+                  "max_prompt_chars": 2000, "delay_ms": 0.0, "reward_delay_ms": 0.0}
+LIMIT_HELP = {
+    "max_batch_size": "images per merged reward call; a larger request is scored alone",
+    "max_wait_ms": "milliseconds a batch waits after its first request for others to merge (0 = merge only what is "
+                   "already queued)",
+    "max_request_mb": "largest request body in MiB: larger ones get HTTP 413 before they are read; clients split "
+                      "their requests to fit",
+    "max_image_side": "largest image height or width in pixels: larger get HTTP 400",
+    "max_images_per_request": "most images in one request: more get HTTP 413; clients split their requests to fit",
+    "max_queue": "requests that may wait to be scored; one more gets HTTP 429 with Retry-After, which clients retry "
+                 "with jittered backoff",
+    "request_timeout_s": "a request not scored this many seconds after it arrived is dropped unscored and answered "
+                         "503; keep it below the clients' --reward_timeout_s (120)",
+    "max_prompt_chars": "longest prompt in characters: longer get HTTP 400",
+    "delay_ms": "artificial latency added to every /score request, in milliseconds, for benchmarks of a slow reward",
+    "reward_delay_ms": "artificial latency added to every reward call on the server's one worker, in milliseconds: a "
+                       "slow reward model that requests queue behind",
+}
+PIXEL_TOLERANCE = 1e-3  # how far outside [0, 1] a pixel may lie (rounding of a clamp in another dtype) before a 400
+
+
+def log_line(client: str, status: int, reason: str) -> None:
+    """One line on stderr for a refused or failed request: time, client, status, reason (never the token)."""
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {client} {status} {reason}", file=sys.stderr, flush=True)
+
+
+def check_pixels(images: torch.Tensor, max_prompt_chars: int, prompts: list[str]) -> None:
+    """ValueError naming the first image with a non-finite pixel or one outside [0, 1] (beyond PIXEL_TOLERANCE), or
+    the first prompt over ``max_prompt_chars``."""
+    flat = images.flatten(1)
+    bad = (~torch.isfinite(flat)).any(1).nonzero()
+    if len(bad):
+        raise ValueError(f"image {int(bad[0])} has NaN or infinite pixels; send finite images in [0, 1]")
+    outside = ((flat < -PIXEL_TOLERANCE) | (flat > 1 + PIXEL_TOLERANCE)).any(1).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ValueError(f"image {i} has pixels outside [0, 1] (min {float(flat[i].min()):g}, max "
+                         f"{float(flat[i].max()):g}); send images in [0, 1] (clamp them)")
+    long = next((i for i, p in enumerate(prompts) if len(p) > max_prompt_chars), None)
+    if long is not None:
+        raise ValueError(f"prompt {long} has {len(prompts[long])} characters, over this server's --max_prompt_chars "
+                         f"{max_prompt_chars}")
+
+
+def json_reply(reply: dict) -> str:
+    """The reply as strict JSON: a non-finite score (kept for the client's --nonfinite_reward) travels as null."""
+    scores = {k: [v if v == v and abs(v) != float("inf") else None for v in values]
+              for k, values in reply["scores"].items()}
+    return json.dumps({**reply, "scores": scores}, allow_nan=False)
+
+
+def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | None = None,
+               insecure: bool = False, degraded_after: int = 3, chat: dict[str, Any] | None = None,
+               **limits: Any) -> "FastAPI":
     """The FastAPI app: ``POST /score`` (when ``reward_fn`` is given), ``GET /health``, and the chat routes of
-    ``fastvideo.rewards.chat_server`` when ``chat`` holds its keyword arguments (model_dir, served_name)."""
+    ``fastvideo.rewards.chat_server`` when ``chat`` holds its keyword arguments (model_dir, served_name);
+    ``limits``: any of ``LIMIT_DEFAULTS``."""
     from fastapi import FastAPI, HTTPException, Request, Response  # optional
+    from fastapi.responses import JSONResponse  # optional
 
     from .remote import decode_request
 
+    unknown = set(limits) - set(LIMIT_DEFAULTS)
+    if unknown:
+        raise TypeError(f"create_app: unknown limits {sorted(unknown)}")
+    limits = {**LIMIT_DEFAULTS, **limits}
+    max_bytes = int(limits["max_request_mb"] * 2**20)
+
     def read(body: list[bytes]) -> tuple[torch.Tensor, list[str]]:
         """The request's images and prompts (ValueError saying what is wrong), off the event loop: 24 MiB take
-        ~40 ms to join and decode."""
-        images, prompts = decode_request(b"".join(body), max_image_side)
+        ~40 ms to join and decode. Images never widen past float32 (a float64 'dtype' in the metadata would
+        double the server's memory for the same scores)."""
+        images, prompts = decode_request(b"".join(body), limits["max_image_side"], widest=torch.float32)
+        if images.shape[0] > limits["max_images_per_request"]:
+            raise OverflowError(f"{images.shape[0]} images in one request, over this server's "
+                                f"--max_images_per_request {limits['max_images_per_request']}; send at most that "
+                                "many per request (--remote_batch_size)")
+        check_pixels(images, limits["max_prompt_chars"], prompts)
         check_reward_prompts(spec, prompts, "the request's prompts")
         return images, prompts
 
-    batcher = Batcher(reward_fn, max_batch_size, max_wait_ms / 1000) if reward_fn is not None else None
-    max_bytes = int(max_request_mb * 2**20)
-    limits = dict(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_request_mb=max_request_mb,
-                  max_image_side=max_image_side, delay_ms=delay_ms)
+    batcher = (Batcher(reward_fn, limits["max_batch_size"], limits["max_wait_ms"] / 1000, limits["max_queue"],
+                       limits["reward_delay_ms"] / 1000) if reward_fn is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -193,6 +143,15 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
 
     app = FastAPI(title="fastvideo reward server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    def client_of(request: Request) -> str:
+        return f"{request.client.host}:{request.client.port}" if request.client else "?"
+
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, err: HTTPException) -> JSONResponse:
+        """Every refusal and failure: logged in one line, answered as FastAPI does ({"detail": ...})."""
+        log_line(client_of(request), err.status_code, f"{request.method} {request.url.path}: {err.detail}")
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code, headers=err.headers)
+
     def authorized(request: Request) -> bool:
         """True when the server has no token or the request carries it (constant-time comparison)."""
         if token is None:
@@ -200,14 +159,25 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
+    def status() -> str:
+        failing = batcher is not None and batcher.consecutive_failures >= degraded_after
+        return "degraded" if failing else "ok"
+
     @app.get("/health")
     async def health(request: Request) -> dict:
-        """Liveness and description, without a token (load balancers); ``authorized`` tells a client whether its
-        own token (if it sent one) would be accepted."""
-        return {"status": "ok", "spec": spec, "components": list(reward_fn.names) if reward_fn is not None else [],
-                "device": device, "token_required": token is not None, "authorized": authorized(request),
-                "counters": dict(batcher.counters) if batcher is not None else {}, "limits": limits,
-                "chat_model": (chat or {}).get("served_name")}
+        """Liveness for anyone: ``{"status": "ok" | "degraded"}`` (degraded after --degraded_after reward calls
+        failed in a row); the description (spec, components, device, counters, limits) only with the token, or
+        from a server that has none (loopback, or --insecure_no_token: then with a warning)."""
+        if not authorized(request):
+            return {"status": status()}
+        details = {"status": status(), "spec": spec, "components": list(reward_fn.names) if reward_fn else [],
+                   "device": device, "token_required": token is not None,
+                   "counters": dict(batcher.counters) if batcher is not None else {}, "limits": limits,
+                   "chat_model": (chat or {}).get("served_name")}
+        if token is None:
+            details["warning"] = ("no token: anyone who reaches this port can use this server" if insecure else
+                                  "no token: any process on this machine can use this server")
+        return details
 
     @app.post("/score")
     async def score(request: Request) -> Response:
@@ -220,31 +190,49 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
             raise HTTPException(401, f"{what} bearer token: this server needs 'Authorization: Bearer TOKEN' with its "
                                      f"--token; clients read it from {TOKEN_ENV}",
                                 headers={"WWW-Authenticate": "Bearer"})
-        too_big = f"the request body is over this server's --max_request_mb {max_request_mb:g}"
+        too_big = f"the request body is over this server's --max_request_mb {limits['max_request_mb']:g}"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise HTTPException(413, f"{too_big} ({int(declared)} bytes)")
+            raise HTTPException(413, f"{too_big} ({int(declared)} bytes)", headers={"Connection": "close"})
         chunks, size = [], 0
         async for chunk in request.stream():
             chunks.append(chunk)
             size += len(chunk)
             if size > max_bytes:
-                raise HTTPException(413, f"{too_big} (more than {max_bytes} bytes)")
-        if delay_ms:
-            await asyncio.sleep(delay_ms / 1000)
+                raise HTTPException(413, f"{too_big} (more than {max_bytes} bytes)", headers={"Connection": "close"})
+        if limits["delay_ms"]:
+            await asyncio.sleep(limits["delay_ms"] / 1000)
         try:
             images, prompts = await asyncio.to_thread(read, chunks)
+        except OverflowError as err:
+            raise HTTPException(413, str(err)) from None
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
-        batcher.counters["requests"] += 1
+        del chunks
+        if await request.is_disconnected():  # a client that gave up (timed out) while the body was read or delayed
+            batcher.counters["disconnected"] += 1
+            log_line(client_of(request), 499, "POST /score: the client disconnected; dropped unscored")
+            return Response(status_code=499)
         try:
-            reply = await batcher.score(images, prompts)
+            pending = batcher.admit(images, prompts)
+        except Busy as err:
+            raise HTTPException(429, str(err), headers={"Retry-After": str(err.retry_after_s)}) from None
+        try:
+            reply = await batcher.wait(pending, limits["request_timeout_s"], request.is_disconnected)
+        except Expired:
+            raise HTTPException(503, f"not scored within this server's --request_timeout_s "
+                                     f"{limits['request_timeout_s']:g}: dropped (a request still queued is never "
+                                     "scored); the server is overloaded: retry later or add replicas",
+                                headers={"Retry-After": "1"}) from None
+        except Gone:
+            log_line(client_of(request), 499, "POST /score: the client disconnected; dropped unscored")
+            return Response(status_code=499)
         except ValueError as err:  # the reward's own message: a prompt it cannot score, a non-finite score
             raise HTTPException(400, str(err)) from None
         except Exception as err:  # noqa: BLE001 -- the reward crashed: 500 with its message, traceback in the log
             traceback.print_exception(err)
             raise HTTPException(500, f"the reward failed: {type(err).__name__}: {err}") from None
-        return Response(json.dumps(reply), media_type="application/json")
+        return Response(json_reply(reply), media_type="application/json")
 
     if chat is not None:
         _add_chat_routes(app, token=token, device=device, **chat)
@@ -278,28 +266,28 @@ def build_parser() -> argparse.ArgumentParser:
     serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default="127.0.0.1",
                          help="address to listen on: 127.0.0.1 = this machine only, 0.0.0.0 = every interface "
-                              "(then set --token) (default: 127.0.0.1)")
+                              "(then a token is required, or --insecure_no_token) (default: 127.0.0.1)")
     serving.add_argument("--port", type=int, default=8000, help="TCP port; 0 = any free port, printed in the "
                                                                 "'serving ... on URL' line (default: 8000)")
     serving.add_argument("--device", default=None,
                          help="device of the reward models: cuda, cuda:1, npu, cpu (default: first available of "
                               "cuda, npu, cpu)")
-    serving.add_argument("--max_batch_size", type=int, default=64,
-                         help="images per merged reward call; a larger request is scored alone (default: 64)")
-    serving.add_argument("--max_wait_ms", type=float, default=10.0,
-                         help="milliseconds a batch waits after its first request for others to merge (0 = merge "
-                              "only what is already queued) (default: 10)")
-    serving.add_argument("--max_request_mb", type=float, default=256.0,
-                         help="largest request body in MiB: larger ones get HTTP 413 before they are read; clients "
-                              "split their requests to fit (default: 256)")
-    serving.add_argument("--max_image_side", type=int, default=4096,
-                         help="largest image height or width in pixels: larger get HTTP 400 (default: 4096)")
+    for name, text in LIMIT_HELP.items():
+        kind = type(LIMIT_DEFAULTS[name])
+        serving.add_argument(f"--{name}", type=kind, default=LIMIT_DEFAULTS[name],
+                             help=f"{text} (default: {LIMIT_DEFAULTS[name]:g})")
+    serving.add_argument("--degraded_after", type=int, default=3,
+                         help="/health says 'degraded' after this many reward calls failed in a row (default: 3)")
     serving.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
                          help=f"bearer token every /score request must carry (HTTP 401 otherwise); default: the "
-                              f"{TOKEN_ENV} variable, else none (prefer the variable: a flag shows in `ps`)")
-    serving.add_argument("--delay_ms", type=float, default=0.0,
-                         help="artificial latency added to every /score request, in milliseconds, for benchmarks of "
-                              "a slow reward (default: 0)")
+                              f"{TOKEN_ENV} variable (prefer it: a flag shows in `ps`). Required unless --host is a "
+                              "loopback address or --insecure_no_token")
+    serving.add_argument("--insecure_no_token", action="store_true",
+                         help="serve a non-loopback --host without a token: anyone who reaches the port can score "
+                              "(warned at start and in /health)")
+    serving.add_argument("--ssl_keyfile", default=None, help="TLS private key (PEM): serve https:// (with "
+                                                             "--ssl_certfile)")
+    serving.add_argument("--ssl_certfile", default=None, help="TLS certificate chain (PEM), with --ssl_keyfile")
     serving.add_argument("--chat_model", default=None, metavar="DIR",
                          help="also serve this local chat model (a vision-language judge) on OpenAI-compatible "
                               "/v1/chat/completions and /v1/models routes (fastvideo.rewards.chat_server), for "
@@ -309,8 +297,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """ValueError naming the flag of a serving flag out of range (before any model loads)."""
+def check_token(host: str, token: str | None, insecure: bool) -> str | None:
+    """Closed by default: ValueError for a non-loopback ``host`` without a token (unless ``insecure``); the warning
+    to print at start for a server without one, else None. The chat server shares it."""
+    if token is not None:
+        if insecure:
+            raise ValueError("--insecure_no_token with a --token: drop one of them")
+        return None
+    if not is_loopback(host) and not insecure:
+        raise ValueError(f"--host {host} serves other machines, and this server has no token: set "
+                         f"{TOKEN_ENV} (or --token) to a secret and give it to the clients, or pass "
+                         "--insecure_no_token to serve anyone who reaches the port")
+    return ("warning: --insecure_no_token: anyone who reaches this port can use this server" if insecure else
+            "warning: no token: any process on this machine can use this server (set " + TOKEN_ENV + " to close it)")
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """ValueError naming the flag of a serving flag out of range (before any model loads); returns the start-up
+    warning of ``check_token``."""
     if args.reward is None and args.chat_model is None:
         raise ValueError("--reward SPEC is required (e.g. --reward hpsv2 --hps_checkpoint FILE), unless --chat_model "
                          "DIR serves a chat model only")
@@ -321,13 +325,27 @@ def check_args(args: argparse.Namespace) -> None:
               (args.max_wait_ms >= 0, f"--max_wait_ms must be >= 0, got {args.max_wait_ms}"),
               (args.max_request_mb > 0, f"--max_request_mb must be > 0, got {args.max_request_mb}"),
               (args.max_image_side >= 1, f"--max_image_side must be >= 1, got {args.max_image_side}"),
+              (args.max_images_per_request >= 1, f"--max_images_per_request must be >= 1, got "
+                                                 f"{args.max_images_per_request}"),
+              (args.max_queue >= 1, f"--max_queue must be >= 1, got {args.max_queue}"),
+              (args.request_timeout_s > 0, f"--request_timeout_s must be > 0, got {args.request_timeout_s}"),
+              (args.max_prompt_chars >= 1, f"--max_prompt_chars must be >= 1, got {args.max_prompt_chars}"),
+              (args.degraded_after >= 1, f"--degraded_after must be >= 1, got {args.degraded_after}"),
               (args.delay_ms >= 0, f"--delay_ms must be >= 0, got {args.delay_ms}"),
+              (args.reward_delay_ms >= 0, f"--reward_delay_ms must be >= 0, got {args.reward_delay_ms}"),
               (args.reward_batch_size >= 0, f"--reward_batch_size must be >= 0, got {args.reward_batch_size}"),
               (args.token is None or args.token.strip() == args.token != "",
-               "--token must be non-empty without surrounding spaces"))
+               "--token must be non-empty without surrounding spaces"),
+              ((args.ssl_keyfile is None) == (args.ssl_certfile is None),
+               "--ssl_keyfile and --ssl_certfile go together: pass both, or neither"))
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"--{flag} {path}: no such file")
+    return check_token(args.host, args.token, args.insecure_no_token)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -350,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parse_with_config(parser, argv)
-        check_args(args)
+        warning = check_args(args)
         device = args.device if args.device else pick_device_type(None)
         pick_device_type(device)  # ValueError for a device this machine lacks
         sock = listen(args.host, args.port)
@@ -362,9 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         chat = None
         if args.chat_model is not None:  # the chat model's name defaults to the folder as given, as vLLM's does
             chat = {"model_dir": args.chat_model, "served_name": args.chat_served_name or args.chat_model}
-        app = create_app(reward_fn, args.reward, device=device, token=args.token, max_batch_size=args.max_batch_size,
-                         max_wait_ms=args.max_wait_ms, max_request_mb=args.max_request_mb,
-                         max_image_side=args.max_image_side, delay_ms=args.delay_ms, chat=chat)
+        app = create_app(reward_fn, args.reward, device=device, token=args.token, insecure=args.insecure_no_token,
+                         degraded_after=args.degraded_after, chat=chat,
+                         **{k: getattr(args, k) for k in LIMIT_DEFAULTS})
     except (ValueError, FileNotFoundError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -372,18 +390,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = args.reward or "no reward"
     if chat is not None:
         what += f" + chat model {chat['served_name']}"
+    if warning:
+        print(warning, flush=True)
+    scheme = "https" if args.ssl_certfile else "http"
+    ssl = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile} if args.ssl_certfile else {}
     try:
-        asyncio.run(_serve(app, sock, f"serving {what} on http://{host}:{sock.getsockname()[1]}"))
+        asyncio.run(_serve(app, sock, f"serving {what} on {scheme}://{host}:{sock.getsockname()[1]}",
+                           limit_concurrency=4 * args.max_queue + 16, **ssl))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
         pass
     return 0
 
 
-async def _serve(app: "FastAPI", sock: socket.socket, ready_line: str) -> None:
-    """Run uvicorn on ``sock`` and print ``ready_line`` once it accepts connections."""
+async def _serve(app: "FastAPI", sock: socket.socket, ready_line: str, **config: Any) -> None:
+    """Run uvicorn on ``sock`` (``config``: more uvicorn settings: the connection cap, TLS) and print ``ready_line``
+    once it accepts connections. Refused and failed requests are logged by the app, one line each."""
     import uvicorn  # optional
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                           **config))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)

@@ -113,12 +113,16 @@ def _word(token: Any) -> str:
 
 def yes_no_from_logprobs(candidates: Sequence[Any]) -> float | None:
     """P(yes) / (P(yes) + P(no)) over ``[{"token", "logprob"}, ...]`` (every spelling summed); None when neither word
-    is among them."""
+    is among them. A log-probability that is not a finite number <= 0 (a broken server) is a ValueError naming it."""
     mass = {"yes": 0.0, "no": 0.0}
     for entry in candidates:
         if isinstance(entry, dict) and _word(entry.get("token")) in mass and \
-                isinstance(entry.get("logprob"), (int, float)):
-            mass[_word(entry["token"])] += math.exp(entry["logprob"])
+                isinstance(entry.get("logprob"), (int, float)) and not isinstance(entry.get("logprob"), bool):
+            logprob = float(entry["logprob"])
+            if not (math.isfinite(logprob) or logprob == -math.inf) or logprob > 1e-6:
+                raise ValueError(f"the judge's reply gives token {entry['token']!r} the log-probability {logprob!r}; a "
+                                 "log-probability is a finite number <= 0: is the server a chat-completions server?")
+            mass[_word(entry["token"])] += math.exp(min(logprob, 0.0))
     total = mass["yes"] + mass["no"]
     return mass["yes"] / total if total > 0 else None
 
