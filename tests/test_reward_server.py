@@ -411,7 +411,7 @@ def test_overhead_remote_vs_local():
     """Per-call time of 16 toy-world images, local vs remote (--max_wait_ms 0), at 32 and 512 px: printed, with the
     server's own reward seconds, so the overhead (transport, encoding, queueing) is the difference. The remote scores
     are the local ones, and the overhead stays what moving the bytes over loopback costs: under 50 ms for 0.1 MiB and
-    under 1 s for 24 MiB (measured 2-3 ms and 126-135 ms, docs/reward-serving.md)."""
+    under 1 s for 24 MiB (measured 3-5 ms and 193-204 ms, docs/results.md)."""
     local = build_reward("toyworld")
     prompts = PROMPTS[:16]
     with launch(["--reward", "toyworld", "--device", "cpu", "--max_wait_ms", "0"], env=ENV) as server:

@@ -315,3 +315,56 @@ def test_tls_serves_https_and_the_client_verifies_it(tmp_path, monkeypatch):
         x, prompts = images(2, 16), PROMPTS[:2]
         assert torch.equal(build_reward(f"remote:{server.url}")(x, prompts)["remote"],
                            build_reward("toyworld")(x, prompts)["total"])
+
+
+SLOW_LOADING_REWARD = '''
+import time
+
+import torch
+
+
+def build(fail="no", **options):
+    time.sleep(3)  # a large model loading
+    if fail == "yes":
+        raise ValueError("the checkpoint is not a reward model (pretend)")
+    return lambda images, prompts, **context: torch.ones(images.shape[0])
+'''
+
+
+def test_the_port_answers_while_the_reward_loads_and_a_failed_load_exits_2(tmp_path):
+    """The server listens before its reward is built: /health says 'loading' and /score answers 503 with Retry-After
+    until the model is up, then 'ok' and scores; a reward that fails to load ends the server with one line and exit
+    status 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "slow_reward.py").write_text(SLOW_LOADING_REWARD)
+    env = {**os.environ, **ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "fastvideo.rewards.serve", "--reward", "slow_reward:build", "--device", "cpu",
+           "--token", TOKEN, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline and "ok" not in seen:
+            try:
+                state = request(f"{url}/health", retries=0, timeout_s=2)["status"]
+            except RewardServerError:
+                time.sleep(0.1)
+                continue
+            if state == "loading" and "loading" not in seen:
+                status, reply, headers = raw_post(url, encode_request(images(1, 8), ["x"]))
+                assert status == 503 and "still loading" in reply["detail"] and headers["retry-after"] == "5"
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            time.sleep(0.1)
+        assert seen == ["loading", "ok"], seen
+        assert raw_post(url, encode_request(images(2, 8), ["x", "y"]))[1]["scores"]["total"] == [1.0, 1.0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    failed = subprocess.run([*cmd, "--reward_options", "fail=yes", "--port", str(free_port())], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 2
+    assert "error: " in failed.stderr and "the checkpoint is not a reward model (pretend)" in failed.stderr

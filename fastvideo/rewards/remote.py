@@ -27,6 +27,7 @@ import itertools
 import json
 import sys
 import threading
+import time
 from .http import RewardServerError, request, request_replicas, split_urls, token_from_env
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Sequence
@@ -139,6 +140,14 @@ def check_server(url: str, token: str | None, timeout_s: float, retries: int) ->
     """``GET URL/health``: the server's description (spec, components, limits); RewardServerError naming the URL
     when it does not answer, is no fastvideo reward server, serves no reward, or will refuse this client's token."""
     health = request(f"{url}/health", token=token, timeout_s=timeout_s, retries=retries)
+    deadline = time.monotonic() + 10 * timeout_s
+    while isinstance(health, dict) and health.get("status") == "loading":  # up, its reward model not yet
+        if time.monotonic() > deadline:
+            raise RewardServerError(f"reward server {url} is still loading its reward after {10 * timeout_s:g} s; "
+                                    f"wait for it (python -m fastvideo.rewards.http --wait {url})", url=url,
+                                    transient=True)
+        time.sleep(1.0)
+        health = request(f"{url}/health", token=token, timeout_s=timeout_s, retries=retries)
     if isinstance(health, dict) and set(health) == {"status"}:  # a server with a token tells others nothing more
         how = "is wrong" if token else "is not set"
         raise RewardServerError(f"reward server {url} requires a bearer token and FASTVIDEO_REWARD_TOKEN {how}; set "

@@ -104,9 +104,10 @@ def json_reply(reply: dict) -> str:
 def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | None = None,
                insecure: bool = False, degraded_after: int = 3, chat: dict[str, Any] | None = None,
                **limits: Any) -> "FastAPI":
-    """The FastAPI app: ``POST /score`` (when ``reward_fn`` is given), ``GET /health``, and the chat routes of
+    """The FastAPI app: ``POST /score`` (when ``spec`` is given), ``GET /health``, and the chat routes of
     ``fastvideo.rewards.chat_server`` when ``chat`` holds its keyword arguments (model_dir, served_name);
-    ``limits``: any of ``LIMIT_DEFAULTS``."""
+    ``limits``: any of ``LIMIT_DEFAULTS``. ``reward_fn`` None with a ``spec``: the reward is still loading (/score
+    answers 503 with Retry-After, /health "loading") until ``app.state.loaded(reward_fn)``."""
     from fastapi import FastAPI, HTTPException, Request, Response  # optional
     from fastapi.responses import JSONResponse  # optional
 
@@ -132,7 +133,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         return images, prompts
 
     batcher = (Batcher(reward_fn, limits["max_batch_size"], limits["max_wait_ms"] / 1000, limits["max_queue"],
-                       limits["reward_delay_ms"] / 1000) if reward_fn is not None else None)
+                       limits["reward_delay_ms"] / 1000) if spec is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -159,9 +160,18 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
+    def loaded(fn: Any) -> None:
+        """The reward has loaded: /score serves."""
+        batcher.reward_fn = fn
+
+    app.state.loaded = loaded
+
+    def loading() -> bool:
+        return batcher is not None and batcher.reward_fn is None
+
     def status() -> str:
         failing = batcher is not None and batcher.consecutive_failures >= degraded_after
-        return "degraded" if failing else "ok"
+        return "loading" if loading() else "degraded" if failing else "ok"
 
     @app.get("/health")
     async def health(request: Request) -> dict:
@@ -170,7 +180,8 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         from a server that has none (loopback, or --insecure_no_token: then with a warning)."""
         if not authorized(request):
             return {"status": status()}
-        details = {"status": status(), "spec": spec, "components": list(reward_fn.names) if reward_fn else [],
+        names = batcher.reward_fn.names if batcher is not None and batcher.reward_fn is not None else []
+        details = {"status": status(), "spec": spec, "components": list(names),
                    "device": device, "token_required": token is not None,
                    "counters": dict(batcher.counters) if batcher is not None else {}, "limits": limits,
                    "chat_model": (chat or {}).get("served_name")}
@@ -185,6 +196,9 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         if batcher is None:
             raise HTTPException(404, "this server serves no reward (started with --chat_model only); restart it "
                                      "with --reward SPEC")
+        if loading():
+            raise HTTPException(503, "the reward model is still loading; retry shortly (GET /health says 'ok' once "
+                                     "it serves)", headers={"Retry-After": "5"})
         if not authorized(request):
             what = "a wrong" if request.headers.get("authorization") else "no"
             raise HTTPException(401, f"{what} bearer token: this server needs 'Authorization: Bearer TOKEN' with its "
@@ -372,15 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = args.device if args.device else pick_device_type(None)
         pick_device_type(device)  # ValueError for a device this machine lacks
         sock = listen(args.host, args.port)
-        reward_fn = None
-        if args.reward is not None:
-            reward_fn = build_reward(args.reward, device, batch_size=args.reward_batch_size,
-                                     **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
-            reward_fn.nonfinite = "keep"  # a NaN score travels (JSON NaN): the client's --nonfinite_reward decides
+        if args.reward is not None:  # every path the reward reads, before serving (the model loads while serving)
+            from fastvideo.rewards import check_reward_paths
+            check_reward_paths(args.reward, **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
         chat = None
         if args.chat_model is not None:  # the chat model's name defaults to the folder as given, as vLLM's does
             chat = {"model_dir": args.chat_model, "served_name": args.chat_served_name or args.chat_model}
-        app = create_app(reward_fn, args.reward, device=device, token=args.token, insecure=args.insecure_no_token,
+        app = create_app(None, args.reward, device=device, token=args.token, insecure=args.insecure_no_token,
                          degraded_after=args.degraded_after, chat=chat,
                          **{k: getattr(args, k) for k in LIMIT_DEFAULTS})
     except (ValueError, FileNotFoundError) as err:
@@ -394,27 +406,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(warning, flush=True)
     scheme = "https" if args.ssl_certfile else "http"
     ssl = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile} if args.ssl_certfile else {}
+    def load() -> Any:
+        """The reward, built while the port already answers (503 'loading' until it is up)."""
+        if args.reward is None:
+            return None
+        reward_fn = build_reward(args.reward, device, batch_size=args.reward_batch_size,
+                                 **{k: getattr(args, k) for k in REWARD_PATH_FLAGS})
+        reward_fn.nonfinite = "keep"  # a NaN score travels (JSON null): the client's --nonfinite_reward decides
+        return reward_fn
+
     try:
-        asyncio.run(_serve(app, sock, f"serving {what} on {scheme}://{host}:{sock.getsockname()[1]}",
-                           limit_concurrency=4 * args.max_queue + 16, **ssl))
+        return asyncio.run(_serve(app, sock, f"serving {what} on {scheme}://{host}:{sock.getsockname()[1]}", load,
+                                  limit_concurrency=4 * args.max_queue + 16, **ssl))
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after a clean shutdown
-        pass
-    return 0
+        return 0
 
 
-async def _serve(app: "FastAPI", sock: socket.socket, ready_line: str, **config: Any) -> None:
-    """Run uvicorn on ``sock`` (``config``: more uvicorn settings: the connection cap, TLS) and print ``ready_line``
-    once it accepts connections. Refused and failed requests are logged by the app, one line each."""
+async def _serve(app: "FastAPI", sock: socket.socket, ready_line: str, load: Any, **config: Any) -> int:
+    """Run uvicorn on ``sock`` (``config``: more uvicorn settings: the connection cap, TLS), load the reward with
+    ``load()`` in a thread meanwhile (/score answers 503 until then), and print ``ready_line`` once both are up;
+    a reward that fails to load stops the server (one line, exit status 2). Refused and failed requests are logged by
+    the app, one line each. SIGTERM / SIGINT: no new connections (clients fail over to another replica), requests in
+    flight finish (5 s)."""
     import uvicorn  # optional
 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                                            **config))
     task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        reward_fn = await asyncio.to_thread(load)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        await task
+        return 2
+    if reward_fn is not None:
+        app.state.loaded(reward_fn)
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started:
         print(ready_line, flush=True)
     await task
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------------- for tests
