@@ -235,6 +235,8 @@ def test_every_value_cites_its_source(recipe):
     header = " ".join(line.lstrip("#").strip() for line in lines[:next(i for i, line in enumerate(lines)
                                                                           if not line.startswith("#"))])
     assert HEADER_SOURCE.search(header), f"{recipe.name}: the header must name its source ('owner/repo path/file.py')"
+    assert re.search(r"\bat commit [0-9a-f]{40}\b", header), \
+        f"{recipe.name}: the header must name the source's commit ('at commit <40 hex digits>')"
     own_names = set(data) | {str(v) for v in data.values() if not isinstance(v, list)}
     keys = []
     for i, line in enumerate(lines):
