@@ -102,7 +102,10 @@ def _exchange(url: str, body: bytes | None, headers: dict[str, str], timeout_s: 
             if expect:
                 _send_after_continue(conn, body, min(CONTINUE_WAIT_S, timeout_s / 4))
             else:
-                conn.send(body)
+                try:
+                    conn.send(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the server answered and closed while we wrote: getresponse reads its answer if it is there
         reply = conn.getresponse()
         return _Reply(reply.status, reply.headers, _read_bounded(reply, deadline, url, what))
     finally:
