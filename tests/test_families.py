@@ -180,6 +180,19 @@ def _png(path: Path) -> np.ndarray:
         return np.asarray(img.convert("RGB"), dtype=np.int16)
 
 
+def _sample_py(fam: dict, out: Path, max_prompts: int, *extra: str) -> Path:
+    """sample.py on the family's base model (the family's CFG defaults; H x W, STEPS steps, seed 7) for the first
+    ``max_prompts`` prompts, one thread: its output folder."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "sample.py", "--pretrained_model_name_or_path", str(fam["model"]),
+                           "--prompts", str(fam["prompts"]), "--output_dir", str(out), "--h", str(H), "--w", str(W),
+                           "--num_inference_steps", str(STEPS), "--max_prompts", str(max_prompts),
+                           "--max_sequence_length", str(MSL), "--device", "cpu", "--seed", "7", *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
 # slow for the default suite's time: the default suite checks each adapter's sampling loop against its stock pipeline
 # (tests/test_family_<name>.py) and sample.py's family-free path on FLUX.1 (test_sample.py)
 @pytest.mark.slow(cover="test_sample.py::test_base_model_output_is_complete_deterministic_and_equals_flux_pipeline",
@@ -191,14 +204,7 @@ def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     from fastvideo.seeding import NoiseSource
 
     family, spec = fam["family"], fam["spec"]
-    out = tmp_path / "samples"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "sample.py", "--pretrained_model_name_or_path", str(fam["model"]),
-                           "--prompts", str(fam["prompts"]), "--output_dir", str(out), "--h", str(H), "--w", str(W),
-                           "--num_inference_steps", str(STEPS), "--max_prompts", "2", "--max_sequence_length",
-                           str(MSL), "--device", "cpu", "--seed", "7"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = _sample_py(fam, tmp_path / "samples", 2)
     config = json.loads((out / "config.json").read_text())
     assert config["cfg_scale"] == family.defaults.cfg_scale and config["negative_prompt"] == fam["negative"]
     assert EmbeddingDataset(out / "embeddings").negative_prompt == fam["negative"]
@@ -239,14 +245,7 @@ def test_sample_py_in_bf16_is_as_close_to_the_fp32_pipeline_as_the_bf16_pipeline
     from fastvideo.seeding import NoiseSource
 
     family, spec = fam["family"], fam["spec"]
-    out = tmp_path / "samples"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "sample.py", "--pretrained_model_name_or_path", str(fam["model"]),
-                           "--prompts", str(fam["prompts"]), "--output_dir", str(out), "--h", str(H), "--w", str(W),
-                           "--num_inference_steps", str(STEPS), "--max_prompts", "1", "--max_sequence_length",
-                           str(MSL), "--device", "cpu", "--seed", "7", "--mixed_precision", "bf16"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = _sample_py(fam, tmp_path / "samples", 1, "--mixed_precision", "bf16")
     row = _rows(out / "index.jsonl")[0]
     geometry = family.latent_geometry(fam["model"], H, W)
     packed = NoiseSource(7).randn(geometry.packed_shape, step=0, prompt_id=row["prompt_id"],
