@@ -202,7 +202,8 @@ def test_recipes_exist():
             "dpo_offline.yaml", "nft.yaml", "flow_grpo_sd3_geneval.yaml", "flow_grpo_sd3_ocr.yaml",
             "flow_grpo_sd3_pickscore.yaml", "flow_grpo_fast_sd3.yaml", "nft_sd3.yaml", "verl_omni_qwen_image_ocr.yaml",
             "flux2_klein_grpo.yaml", "awm_flux.yaml", "awm_sd3_pickscore.yaml", "awm_sd3_geneval.yaml",
-            "awm_sd3_ocr.yaml", "grpo_guard_qwen_image_ocr.yaml", "flow_dppo_qwen_image_ocr.yaml"} <= names, names
+            "awm_sd3_ocr.yaml", "grpo_guard_qwen_image_ocr.yaml", "flow_dppo_qwen_image_ocr.yaml",
+            "grpo_guard_sd3.yaml", "grpo_guard_flux.yaml", "flow_dppo_sd3.yaml"} <= names, names
     assert not [p.name for p in RECIPE_DIR.iterdir() if p.suffix != ".yaml"], "scripts/recipes/ holds only YAMLs"
 
 
