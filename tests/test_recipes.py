@@ -343,12 +343,12 @@ def _plan(dry_runs: dict, name: str) -> str:
 # slow for the default suite's time, as the recipes' plans (the same fixture)
 @pytest.mark.slow(cover="test_launchers.py::test_grpo_launcher_dry_run_plans_the_flux_recipe", cost_s=2)
 def test_dpo_plans_online_lora_and_a_refreshed_reference(dry_runs):
-    """The DPO launcher's recipe on FLUX.1-dev (LoRA 64, 32 prompts x 16 images over 8 ranks, 512 px) fits 80 GiB;
+    """The DPO launcher's recipe on FLUX.1-dev (LoRA 64, 16 prompts x 16 images over 8 ranks, 512 px) fits 80 GiB;
     a full fine-tune with a refreshed reference plans the fp32 snapshot and the weights set aside while it is
     swapped in."""
     lora = _plan(dry_runs, "dpo")
-    assert "samples_per_rank=64" in lora and "pairs_per_rank=4" in lora and "fits in 80 GiB" in lora
-    assert "micro-batch 8 x (1024 image" in lora and "clean latents of the step" in lora
+    assert "samples_per_rank=32" in lora and "pairs_per_rank=2" in lora and "fits in 80 GiB" in lora
+    assert "micro-batch 4 x (1024 image" in lora and "clean latents of the step" in lora
     assert "reference snapshot" not in lora
     full = _plan(dry_runs, "dpo+full+ref_refresh")
     assert "reference snapshot (fp32, sharded)" in full and "set aside in the swap" in full
