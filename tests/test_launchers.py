@@ -207,10 +207,10 @@ def test_dpo_flux_recipes_parse_to_their_cited_values(tmp_path):
 
     online = launcher_argv(tmp_path, "scripts/finetune_flux_dpo.sh")
     args = parse_dpo_args(online[online.index("train_dpo.py") + 1:])
-    expected = dict(h=512, w=512, guidance_scale=3.5, sampling_steps=28, beta_dpo=2000.0, lora_rank=64,
+    expected = dict(h=512, w=512, guidance_scale=3.5, sampling_steps=28, beta_dpo=100.0, lora_rank=64,
                     lora_alpha=128.0, learning_rate=3e-4, lr_scheduler="constant", weight_decay=1e-4, max_grad_norm=1.0,
-                    max_train_steps=300, mixed_precision="bf16", gradient_checkpointing=True, sampler="ode",
-                    num_generations=16, prompts_per_step=32, train_batch_size=4, min_reward_gap=0.0,
+                    max_train_steps=600, mixed_precision="bf16", gradient_checkpointing=True, sampler="ode",
+                    num_generations=16, prompts_per_step=16, train_batch_size=2, min_reward_gap=0.0,
                     ref_update_interval=0, reward="hpsv2:1.0", preference_file=None, resume_from="latest")
     assert {k: getattr(args, k) for k in expected} == expected
     pairs = tmp_path / "pairs.jsonl"
