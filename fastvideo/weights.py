@@ -204,15 +204,25 @@ class LocalPiece:
     stop: int
 
 
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_buffers()`` without the non-persistent ones (``register_buffer(..., persistent=False)``, e.g.
+    Wan's rotary tables): those are in no state dict or weight file; their module recomputes them."""
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
+
+
 def local_pieces(model: nn.Module) -> Iterator[LocalPiece]:
-    """Each parameter/buffer's local part (clean names, as in the diffusers state dict) on this rank."""
+    """Each parameter's and persistent buffer's local part (clean names, as in the diffusers state dict) on this
+    rank."""
     if fsdp_version_of(model) == 1:
         yield from _fsdp1_pieces(model)
         return
     from torch.distributed.tensor import DTensor  # heavy
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # heavy
 
-    named = [*model.named_parameters(), *model.named_buffers()]
+    named = [*model.named_parameters(), *persistent_buffers(model)]
     for name, tensor in named:
         name = clean_name(name)
         if isinstance(tensor, DTensor):
@@ -249,7 +259,7 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[LocalPiece]:
                 yield LocalPiece(name, tuple(shape), dest, info.intra_param_start_idx, info.intra_param_end_idx + 1)
             else:
                 yield LocalPiece(name, tuple(shape), flat.data[:0], 0, 0)
-    for name, buf in model.named_buffers():
+    for name, buf in persistent_buffers(model):
         if clean_name(name) not in owned:
             yield LocalPiece(clean_name(name), tuple(buf.shape), buf.data.view(-1), 0, buf.numel())
 
