@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from fastvideo.models.base import check_components, config_get, model_config, model_dtype, unwrap_model
@@ -141,6 +142,21 @@ def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeomet
             raise ValueError(f"image {name} {value} ({flag}) must be a positive multiple of {multiple} (VAE scale "
                              f"factor {factor} x 2x2 packing): pass e.g. {flag} {lower} or {lower + multiple}")
     return LatentGeometry(int(height), int(width), factor, int(config_get(config, "latent_channels")))
+
+
+def static_shift_sigmas(steps: int, shift: float, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """The (S+1,) float32 sigmas of ``FlowMatchEulerDiscreteScheduler(shift=shift)`` after ``set_timesteps(steps)``
+    (a static shift: SD3's grid, Wan's Euler grid), bit for bit: the scheduler's float32 training grid gives the ends (sigma_max = 1, sigma_min = shift(1/1000)), a
+    float64 linspace between them (in timestep units) is shifted once more in float64, cast to float32, then 0."""
+    if int(steps) < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    n = num_train_timesteps
+    ends = torch.tensor([n, 1], dtype=torch.float32) / n  # the first and last of linspace(1, n, n)[::-1] / n
+    ends = shift * ends / (1 + (shift - 1) * ends)
+    sigma_max, sigma_min = (float(v) for v in ends)
+    grid = np.linspace(sigma_max * n, sigma_min * n, int(steps)) / n
+    grid = shift * grid / (1 + (shift - 1) * grid)
+    return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1, dtype=torch.float32)])
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from fastvideo import tiny
@@ -95,18 +94,8 @@ def image_size(image_tokens: int) -> tuple[int, int]:
 
 def sigmas(steps: int, shift: float = SHIFT, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
     """The (S+1,) float32 sigmas of ``FlowMatchEulerDiscreteScheduler(shift=3)`` after ``set_timesteps(steps)``, bit
-    for bit: the scheduler's float32 training grid gives the ends (sigma_max = 1, sigma_min = shift(1/1000)), a
-    float64 linspace between them (in timestep units) is shifted once more in float64, cast to float32, then 0."""
-    if int(steps) < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    n = num_train_timesteps
-    ends = torch.tensor([n, 1], dtype=torch.float32) / n  # the first and last of linspace(1, n, n)[::-1] / n
-    ends = shift * ends / (1 + (shift - 1) * ends)
-    sigma_max, sigma_min = (float(v) for v in ends)
-    grid = np.linspace(sigma_max * n, sigma_min * n, int(steps)) / n
-    grid = shift * grid / (1 + (shift - 1) * grid)
-    return torch.cat([torch.from_numpy(grid).to(torch.float32), torch.zeros(1, dtype=torch.float32)])
-
+    for bit (``common.static_shift_sigmas``)."""
+    return common.static_shift_sigmas(steps, shift, num_train_timesteps)
 
 
 # ------------------------------------------------------------------------------------------------- FLOPs
