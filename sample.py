@@ -99,7 +99,7 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     from fastvideo.data import EmbeddingDataset
     from fastvideo.devices import ACCELERATOR_TYPES
     from fastvideo.memory import auto_decode_batch_size
-    from fastvideo.record import image_name, save_png
+    from fastvideo.record import image_name
     from fastvideo.rewards import build_reward, check_reward_paths, check_reward_prompts
     from fastvideo.seeding import NoiseSource
     from fastvideo.devices import compute_dtype
@@ -137,12 +137,13 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     family = models.family_for(args)
     vae = family.load_vae(args.pretrained_model_name_or_path, dtype=amp_dtype or torch.float32,
                           device=dist.device)  # decodes in the compute dtype, as FluxPipeline
-    geometry = family.latent_geometry(vae, args.h, args.w)
+    geometry = models.geometry_for(family, vae, args.h, args.w, getattr(args, "num_frames", None))
     decode_batch = 0  # the CPU decodes a whole batch per call; a GPU/NPU in calls planned within 4 GiB
     if dist.device.type in ACCELERATOR_TYPES:
         decode_batch = auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w,
                                               amp_dtype or torch.float32, args.batch_size,
-                                              model_family=models.spec_of(args))
+                                              model_family=models.spec_of(args),
+                                              frames=getattr(args, "num_frames", None))
     cfg = evaluation.ode_config(height=args.h, width=args.w, steps=args.num_inference_steps, shift=args.shift,
                                 guidance=args.guidance_scale, batch_size=args.batch_size,
                                 decode_batch_size=decode_batch, cfg_scale=args.cfg_scale,
@@ -163,10 +164,10 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
         scores = reward_fn(images, prompts) if reward_fn is not None else {}
         if eval_reward_fn is not None:  # each extra reward and its checks, outside --reward's total
             scores = {**scores, **evaluation.extra_scores(eval_reward_fn(images, prompts), scores)}
-        for j, (p, k) in enumerate(zip(ids, idx)):
-            save_png(images[j], out / "images" / image_name(p, k))
-            rows.append({"prompt_id": p, "sample_index": k, "prompt": prompts[j], "seed": args.seed,
-                         "path": f"images/{image_name(p, k)}", **{name: float(v[j]) for name, v in scores.items()}})
+        for j, (p, k) in enumerate(zip(ids, idx)):  # a video: videos/NAME.mp4 and its frame strip as the PNG
+            files = evaluation.save_sample(images[j], out, image_name(p, k), getattr(args, "fps", None))
+            rows.append({"prompt_id": p, "sample_index": k, "prompt": prompts[j], "seed": args.seed, **files,
+                         **{name: float(v[j]) for name, v in scores.items()}})
     seconds = D.all_reduce_max(time.perf_counter() - t0)
 
     # ---- 4. rank 0: index, summary, comparison grid ----------------------------------------------------------

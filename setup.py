@@ -24,7 +24,8 @@ setup(
     ],
     extras_require={
         # the logging backends are in the test extra so that CI checks what they receive
-        "test": ["pytest>=7.4", "pytest-timeout", "tensorboard", "wandb", "fastapi", "uvicorn"],
+        "test": ["pytest>=7.4", "pytest-timeout", "tensorboard", "wandb", "fastapi", "uvicorn", "av"],
+        "video": ["av"],  # MP4s of video families' samples (PyAV bundles its FFmpeg)
         "serve": ["fastapi", "uvicorn"],  # python -m fastvideo.rewards.serve (the remote:URL client needs nothing)
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],

@@ -328,7 +328,7 @@ def check_parallel_inputs(args: argparse.Namespace) -> None:
     model = Path(args.pretrained_model_name_or_path)
     family = models.family_for(args)
     config = json.loads((family.transformer_folder(model) / "config.json").read_text())
-    geometry = family.latent_geometry(model, args.h, args.w)
+    geometry = models.geometry_for(family, model, args.h, args.w, getattr(args, "num_frames", None))
     parallel.check_sequence_parallel(args.sp_size, config["num_attention_heads"], geometry.seq_len)
 
 

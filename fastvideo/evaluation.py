@@ -91,6 +91,29 @@ def ode_images(model: torch.nn.Module, vae: torch.nn.Module, dataset: Any, promp
     return traj.images
 
 
+def save_sample(sample: torch.Tensor, out: Path, name: str, fps: int | None = None) -> dict[str, str]:
+    """One sample under ``out``: an image (3, H, W) as ``images/NAME.png``; a video (F, 3, H, W) as an MP4
+    ``videos/NAME.mp4`` at ``fps`` and its frame strip ``images/NAME.png`` (evenly spaced frames, in order), which
+    the PNG readers (scoring, --compare grids) take. Returns the index row's entries (paths relative to ``out``)."""
+    from fastvideo.record import save_png
+
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    if sample.ndim == 3:
+        save_png(sample, out / "images" / name)
+        return {"path": f"images/{name}"}
+    from torchvision.utils import make_grid  # heavy
+
+    from fastvideo.logging import STRIP_FRAMES, frame_strips
+    from fastvideo.video import write_mp4
+
+    strip = frame_strips(sample[None])
+    save_png(make_grid(strip.float().clamp(0, 1), nrow=min(STRIP_FRAMES, sample.shape[0]), padding=2),
+             out / "images" / name)
+    video = Path(name).with_suffix(".mp4").name
+    write_mp4(sample, out / "videos" / video, fps or 16)
+    return {"path": f"images/{name}", "video": f"videos/{video}"}
+
+
 def t_quantile_975(df: int) -> float:
     """The two-sided 95% Student-t quantile for ``df`` degrees of freedom (>= 1)."""
     return _T975[df - 1] if df <= len(_T975) else 1.96
@@ -191,7 +214,7 @@ def check_compare_prompts(base: dict[str, Any], prompts: list[str], where: str) 
 def write_sample_index(out: Path, rows: list[dict], seconds: float) -> dict[str, Any]:
     """OUT/index.jsonl (one row per image, in (prompt, image) order) and OUT/summary.json (counts, time and
     ``summarize`` of every reward); returns the summary."""
-    reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path")]
+    reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path", "video")]
     ids = torch.tensor([r["prompt_id"] for r in rows])
     summary = {"num_images": len(rows), "num_prompts": len({r["prompt_id"] for r in rows}),
                "seconds": seconds, "images_per_second": len(rows) / max(seconds, 1e-9),
@@ -207,6 +230,8 @@ def describe_summary(summary: dict[str, Any], out: Path) -> str:
              f"({summary['images_per_second']:.2f} images/s)"]
     lines += [f"  {name}: mean {s['mean']:.6g} [95% {s['ci95_low']:.6g}, {s['ci95_high']:.6g}], std {s['std']:.4g}"
               for name, s in summary["rewards"].items()]
+    if (out / "videos").is_dir():  # a video family: the MP4s, and images/ holds their frame strips
+        lines.append(f"videos: {out / 'videos'}")
     lines.append(f"images: {out / 'images'}\nindex:  {out / 'index.jsonl'}\nsummary: {out / 'summary.json'}")
     return "\n".join(lines)
 
@@ -325,6 +350,9 @@ class SampleOptions:
                                             "(default: the family's; a manifest brings its own)")
     h: int | None = opt(None, "image height in pixels (default: the family's pipeline default; FLUX.1: 1024)")
     w: int | None = opt(None, "image width in pixels (default: the family's pipeline default; FLUX.1: 1024)")
+    num_frames: int | None = opt(None, "frames per video (default: the video family's pipeline default, Wan 81; "
+                                       "image families take none)")
+    fps: int | None = opt(None, "frame rate of the MP4s written (default: the video family's, Wan 16)")
     shift: float | None = opt(None, "static sigma shift; unset = the family pipeline's schedule (FLUX.1: dynamic "
                                     "shift, as FluxPipeline)")
     seed: int = opt(42, "image k of prompt p starts from the noise keyed (seed, p, k): same seed, same images")
@@ -345,7 +373,8 @@ class SampleOptions:
 
 
 # sample.py flags that must equal the --compare folder's (the same noise and sampler, or the grid compares nothing)
-COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h", "w", "shift", "noise_device")
+COMPARE_KEYS = ("seed", "num_inference_steps", "guidance_scale", "cfg_scale", "h", "w", "num_frames", "shift",
+                "noise_device")
 
 
 def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
@@ -354,6 +383,8 @@ def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
     d.fill(args, {"num_inference_steps": "steps", "h": "height", "w": "width",
                   "max_sequence_length": "max_sequence_length", "cfg_scale": "cfg_scale", "guidance_scale": "guidance"},
            unused_guidance=1.0)
+    if family.video:
+        d.fill(args, {"num_frames": "num_frames", "fps": "fps"}, unused_guidance=1.0)
     if getattr(args, "negative_prompt", None) is None and args.cfg_scale > 1:
         args.negative_prompt = d.negative_prompt
 
@@ -395,7 +426,7 @@ def validate_sample(args: argparse.Namespace) -> dict | None:
                                                   f"{args.max_sequence_length}")
     need(args.shift is None or args.shift > 0, f"--shift must be > 0, got {args.shift}")
     need(args.cfg_scale >= 1, f"--cfg_scale must be >= 1 (1 = no classifier-free guidance), got {args.cfg_scale}")
-    family.latent_geometry(model, args.h, args.w)  # ValueError naming --h/--w
+    models.geometry_for(family, model, args.h, args.w, getattr(args, "num_frames", None))  # ValueError naming the flag
     if args.reward:
         parse_reward_spec(args.reward)
     parse_eval_reward_spec(args.eval_reward, args.reward)

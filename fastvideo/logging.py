@@ -129,13 +129,28 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+STRIP_FRAMES = 8  # frames a video shows in an image grid (evenly spaced, first and last included)
+
+
+def frame_strips(videos: torch.Tensor, frames: int = STRIP_FRAMES) -> torch.Tensor:
+    """Videos (B, F, 3, H, W) -> (B * K, 3, H, W): K = min(``frames``, F) evenly spaced frames of each video, in
+    order (a grid with K per row shows one video per row)."""
+    count = videos.shape[1]
+    index = torch.linspace(0, count - 1, min(frames, count)).round().long()
+    return videos[:, index].flatten(0, 1)
+
+
 def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None) -> torch.Tensor:
-    """Save images (B,3,H,W) in [0,1] as one PNG grid (``nrow`` images per row; default: a square); returns the grid
-    (3, H', W') for ``MetricsLogger.log_image``."""
+    """Save images (B,3,H,W) in [0,1] as one PNG grid (``nrow`` images per row; default: a square), or videos
+    (B,F,3,H,W) as one frame strip per row (``frame_strips``); returns the grid (3, H', W') for
+    ``MetricsLogger.log_image``."""
     from torchvision.utils import make_grid, save_image  # heavy
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if images.ndim == 5:
+        nrow = min(STRIP_FRAMES, images.shape[1])
+        images = frame_strips(images)
     nrow = nrow or max(1, int(math.ceil(math.sqrt(images.shape[0]))))
     grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=nrow, padding=2)
     save_image(grid, str(path))

@@ -334,13 +334,15 @@ def resolve_gradient_checkpointing(requested: bool | None, lora_rank: int, devic
 
 
 def auto_decode_batch_size(model_path: str | os.PathLike, height: int, width: int, dtype: torch.dtype,
-                           max_batch: int, budget: int = DECODE_BUDGET_BYTES, model_family: str = "auto") -> int:
-    """The largest number of latents (1 to ``max_batch``) one VAE decode call of ``height`` x ``width`` images in
-    ``dtype`` takes with its planned peak (``vae_decode_bytes``) within ``budget``; at least 1 even when a single
-    image exceeds it. The peak is linear in the batch: one trace at batch 1 gives the candidate, one more checks it."""
+                           max_batch: int, budget: int = DECODE_BUDGET_BYTES, model_family: str = "auto",
+                           frames: int | None = None) -> int:
+    """The largest number of latents (1 to ``max_batch``) one VAE decode call of ``height`` x ``width`` images (a
+    video family: ``frames``-frame videos) in ``dtype`` takes with its planned peak (``vae_decode_bytes``) within
+    ``budget``; at least 1 even when a single sample exceeds it. The peak is linear in the batch: one trace at batch 1
+    gives the candidate, one more checks it."""
     config = _vae_config(model_path, model_family)
     family = models.resolve(model_family, model_path)
-    geometry = family.latent_geometry(model_path, height, width)
+    geometry = models.geometry_for(family, model_path, height, width, frames)
 
     def peak(batch: int) -> int:
         return vae_decode_bytes(config, batch, geometry.latent_h, geometry.latent_w, dtype, family=family,
@@ -361,7 +363,7 @@ def resolve_decode_batch_size(args: argparse.Namespace, device_type: str) -> int
 
     dtype = compute_dtype(args.mixed_precision, torch.device(device_type)) or torch.float32
     return auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w, dtype, args.rollout_batch_size,
-                                  model_family=models.spec_of(args))
+                                  model_family=models.spec_of(args), frames=getattr(args, "num_frames", None))
 
 
 def check_plan_fits(plan: MemoryPlan, device_type: str, device_memory_bytes: int | None, *,
@@ -483,10 +485,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     sharded = world > 1
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(args.gradient_sync, is_lora)
-    geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+    geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w,
+                                   getattr(args, "num_frames", None))
     L, T, B, C = geometry.seq_len, _text_tokens(args, family), samples, geometry.packed_channels
     S = args.sampling_steps
-    joint = model.config.joint_attention_dim
+    joint = getattr(model.config, "joint_attention_dim", None) or model.config.text_dim  # Wan: text_dim
     pooled = getattr(model.config, "pooled_projection_dim", None) or 0
     guided = 2 if args.cfg_scale > 1 else 1  # true CFG: one forward of cond + uncond rows
     sp = args.sp_size
@@ -562,7 +565,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
 
     # rollout buffers (kept from the rollout through the update), text embeddings of this rank's samples
     kept = 0 if old_policy else S + 1  # NFT keeps only the clean latents, GRPO/DPO the trajectory too
-    buffers = 4 * B * (kept + 1) * L * C + 4 * B * 3 * args.h * args.w
+    buffers = 4 * B * (kept + 1) * L * C + 4 * B * getattr(geometry, "frames", 1) * 3 * args.h * args.w
     sde_noise = 4 * B * S * L * C if args.eta > 0 else 0
     what = "clean latents B x L x C" if old_policy else "latents B x (S+1) x L x C"
     items.append(PlanItem(f"rollout buffers: {what}, images", buffers, sde_noise, "persistent",

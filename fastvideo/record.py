@@ -46,9 +46,10 @@ FORMAT = 1
 # (Data and pair files may sit at other paths on the other machine: what they hold is checked through the draws' keys.)
 REPLAY_KEYS = ("algorithm", "seed", "num_generations", "prompts_per_step", "sampling_steps", "h", "w", "eta",
                "sde_window_size", "sde_window_range", "sde_window_schedule", "sde_window_shift_interval",
-               "sde_window_stride", "init_same_noise", "timestep_fraction", "timesteps_per_pair")
+               "sde_window_stride", "init_same_noise", "timestep_fraction", "timesteps_per_pair", "num_frames")
 # Draw-deciding flags added later, with the value every earlier recording had (absent from its manifest).
-LATER_REPLAY_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1}
+LATER_REPLAY_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval": 25, "sde_window_stride": 1,
+                     "num_frames": None}
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -166,14 +167,16 @@ class Recorder:
     def add_samples(self, step: int, prompt_ids: Sequence[int], sample_indices: Sequence[int],
                     prompts: Sequence[str], images: torch.Tensor, rewards: dict[str, torch.Tensor],
                     log_probs: torch.Tensor | None) -> None:
-        """This rank's samples of a step: images (B, 3, H, W) in [0, 1], its slice of every reward component, and the
-        rollout's log-probs (B, S) when it had SDE steps."""
+        """This rank's samples of a step: images (B, 3, H, W) in [0, 1] (videos (B, F, 3, H, W): each one PNG of its
+        frames stacked top to bottom, lossless), its slice of every reward component, and the rollout's log-probs
+        (B, S) when it had SDE steps."""
         if not self.records(step):
             return
         folder = step_dir(self.root, step) / "images"
         folder.mkdir(parents=True, exist_ok=True)
         for i, (p, s) in enumerate(zip(prompt_ids, sample_indices)):
-            save_png(images[i], folder / image_name(p, s))
+            save_png(images[i] if images.ndim == 4 else images[i].transpose(0, 1).flatten(1, 2),
+                     folder / image_name(p, s))
             self.samples.append({"step": int(step), "prompt_id": int(p), "sample_index": int(s), "prompt": prompts[i],
                                  "rewards": {k: float(v[i]) for k, v in rewards.items()},
                                  "image": f"{folder.parent.name}/images/{image_name(p, s)}"})
@@ -314,7 +317,14 @@ class Replay:
             if not path.is_file():
                 raise ValueError(f"--replay_images: {path} is missing (the recording has no image of prompt {p}, "
                                  f"sample {s} at step {step}); {self.HINT}")
-            out.append(load_image(path))
+            image = load_image(path)
+            if like.ndim == 5:  # a video's frames, stacked top to bottom (add_samples)
+                frames, height = like.shape[1], like.shape[3]
+                if image.shape[1] != frames * height:
+                    raise ValueError(f"--replay_images: {path} holds {image.shape[1]} rows, not {frames} frames of "
+                                     f"{height}; replay with the recording's --num_frames/--h/--w")
+                image = image.view(3, frames, height, image.shape[2]).transpose(0, 1)
+            out.append(image)
         images = torch.stack(out)
         if images.shape[1:] != like.shape[1:]:
             raise ValueError(f"--replay_images: the recorded images are {tuple(images.shape[1:])} but this run decodes "

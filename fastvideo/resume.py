@@ -56,7 +56,7 @@ LATER_RESUME_KEYS = {"sde_window_schedule": "random", "sde_window_shift_interval
                      "dppo_threshold": 1e-5, "kl_form": "per_unit_time", "drop_zero_advantage": False,
                      "shuffle_micro_batches": False, "dpo_sigma_shift": None, "reward_options": None,
                      "awm_advantage_weight": "official", "awm_time_type": "discrete", "awm_strata": "official",
-                     "awm_old_kl": "flow_factory"}
+                     "awm_old_kl": "flow_factory", "num_frames": None, "frame_reduce": "mean", "reward_frames": 0}
 
 
 def _inert(key: str, config: dict) -> bool:

@@ -583,6 +583,9 @@ class SamplingOptions:
     h: int | None = opt(None, "image height in pixels; unset: the family pipeline's default (1024 for FLUX.1, SD3.5, "
                               "Qwen-Image, FLUX.2), printed at start-up")
     w: int | None = opt(None, "image width in pixels; unset: the family pipeline's default, printed at start-up")
+    num_frames: int | None = opt(None, "frames per video (Wan: 4k + 1); unset: the video family's pipeline default "
+                                       "(Wan 81), printed at start-up; image families take none")
+    fps: int | None = opt(None, "frame rate of the videos written (MP4); unset: the video family's default (Wan 16)")
     sampling_steps: int | None = opt(None, "denoising steps per rollout (S); unset: the family pipeline's default "
                                            "(FLUX.1 and SD3.5 28, Qwen-Image and FLUX.2 50), printed at start-up")
     sde_type: str = opt("flow_sde", "stochastic sampler: flow_sde (Flow-GRPO) | dance_sde (DanceGRPO) | cps",
@@ -655,16 +658,18 @@ UNUSED_GUIDANCE = 3.5
 # the trainers' sampler flags a family's stock pipeline has a default for (flag -> SamplerDefaults field)
 FAMILY_SAMPLER_FLAGS = {"h": "height", "w": "width", "sampling_steps": "steps", "cfg_scale": "cfg_scale",
                         "guidance_scale": "guidance"}
+VIDEO_SAMPLER_FLAGS = {"num_frames": "num_frames", "fps": "fps"}  # a video family's too
 
 
 def fill_family_sampling(args: argparse.Namespace) -> None:
     """Unset sampler flags -> the model folder's pipeline defaults (``ModelFamily.sampler_defaults``: size, steps,
     CFG scale, distilled guidance; the shift comes from the folder's scheduler config), said at start-up
     (``options.note_default``); a family without a guidance input gets ``UNUSED_GUIDANCE``."""
-    if all(getattr(args, flag) is not None for flag in FAMILY_SAMPLER_FLAGS):
+    if all(getattr(args, flag) is not None for flag in FAMILY_SAMPLER_FLAGS) and getattr(args, "num_frames", 1):
         return
     family = models.family_for(args)
-    filled = family.sampler_defaults(args.pretrained_model_name_or_path).fill(args, FAMILY_SAMPLER_FLAGS,
+    flags = {**FAMILY_SAMPLER_FLAGS, **VIDEO_SAMPLER_FLAGS} if family.video else FAMILY_SAMPLER_FLAGS
+    filled = family.sampler_defaults(args.pretrained_model_name_or_path).fill(args, flags,
                                                                               unused_guidance=UNUSED_GUIDANCE)
     if filled:
         note_default(f"{' '.join(filled)}: the {family.name} pipeline's defaults (flags or a recipe set them)")

@@ -24,7 +24,8 @@ from fastvideo.data import is_manifest
 from fastvideo.rewards import REWARD_PATH_FLAGS
 
 # sample.py flag <- the trainer flag it is taken from (the same name unless listed)
-_SAMPLE_FROM_RUN = {"h": "h", "w": "w", "num_inference_steps": "sampling_steps", "shift": "shift",
+_SAMPLE_FROM_RUN = {"h": "h", "w": "w", "num_frames": "num_frames", "fps": "fps",
+                    "num_inference_steps": "sampling_steps", "shift": "shift",
                     "guidance_scale": "guidance_scale", "cfg_scale": "cfg_scale", "noise_device": "noise_device", "device": "device",
                     "mixed_precision": "mixed_precision", "model_family": "model_family"}
 

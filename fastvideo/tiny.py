@@ -523,6 +523,9 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
                        "a tiny FLUX.2-dev (Mistral3 text encoder, guidance embedding) at 64px"),
     "flux2-klein-4b-config": ("fastvideo.models.flux2_presets:write_config",
                               "FLUX.2-klein-4B's real configs, no weights"),
+    "wan-tiny": ("fastvideo.models.wan_presets:build_tiny", "a tiny Wan2.1 text-to-video model at 64px x 5 frames"),
+    "wan2.1-t2v-14b-config": ("fastvideo.models.wan_presets:write_config",
+                              "Wan2.1-T2V-14B's real configs, no weights"),
 }
 write_atomically = _write_atomically  # the family modules' builders use it
 

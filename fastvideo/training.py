@@ -119,7 +119,7 @@ class Run:
         args = self.args
         fill_family_sampling(args)  # validation did it; a caller that skips validation gets the same values
         family = models.family_for(args)
-        geometry = family.latent_geometry(args.pretrained_model_name_or_path, args.h, args.w)
+        geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w, args.num_frames)
         guided = args.cfg_scale > 1
         dataset = EmbeddingDataset(args.data_json_path).use(family, negative=guided)
         dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))

@@ -81,6 +81,8 @@ ALLOWED_SYNCS: dict[str, str] = {
     "fastvideo/rewards/__init__.py:RewardFn.__call__":
         "once per reward call: the scores come to the CPU (rewards are gathered and logged as CPU tensors); with "
         "--reward_overlap once per rollout micro-batch, on the scorer's thread and stream, not the sampling loop's",
+    "fastvideo/rewards/__init__.py:RewardFn.score_video":
+        "once per video reward call: the frame-change watch comes to the CPU beside the scores (logged, not trained)",
     "fastvideo/toyworld/verify.py:_as_batch":
         "once per reward call: the toy-world verifier analyses the pixels on the CPU (numpy)",
     "fastvideo/distributed.py:all_gather_tensor":
@@ -913,7 +915,9 @@ def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Pa
     vae = family.load_vae(model_dir, dtype=torch.bfloat16, device=device)
     reward = build_reward("hpsv2:1.0,toyworld:1.0,toyworld_strict:1.0", device, hps_checkpoint=str(hps_checkpoint),
                           hps_model=str(hps_model))
-    return Shared(model_dir, work_dir, size, family.latent_geometry(model_dir, size, size), vae, reward,
+    frames = int(extra_flags[extra_flags.index("--num_frames") + 1]) if "--num_frames" in extra_flags else None
+    geometry = models.geometry_for(family, model_dir, size, size, frames)  # a video family: of --num_frames
+    return Shared(model_dir, work_dir, size, geometry, vae, reward,
                   list(all_prompts()[:16]), rows, extra_flags, dict(variant_flags or {}))
 
 

@@ -45,9 +45,12 @@ def report(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) ->
 # family-free code (rollout, replay, update, checkpoint, SP, --reward_overlap, the GRPO-Guard / Flow-DPPO / AWM
 # updates); these trace each family's own velocity call, encoders' row shapes and VAE in GRPO's rollout and replay,
 # DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
-# 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens). Sequence parallelism is FLUX.1's
-# only (the other families refuse --sp_size > 1 before loading: test_sequence_parallel.py).
-FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny")
+# 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,
+# rewarded over frames, and adds its SP 2 path. Sequence parallelism is FLUX.1's and Wan's (the other families refuse
+# --sp_size > 1 before loading: test_sequence_parallel.py).
+FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny")
+# a family's own trace flags: Wan's 5-frame videos (rewarded over frames) and its SP 2 path over the video tokens
+FAMILY_EXTRA = {"wan-tiny": ("--extra", "--num_frames 5", "--sp_size", "2")}
 # LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
 VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 
@@ -61,8 +64,9 @@ def family_report(request, hps_flags: tuple[str, ...], tmp_path_factory) -> dict
     work = tmp_path_factory.mktemp(f"fake-cuda-{request.param}")
     model = build_preset(work / "model", request.param)
     variant_flags = [x for v, f in VARIANT_FLAGS.items() for x in ("--variant_extra", f"{v}={f}")]
-    return _trace(model, hps_flags, work, "--sp_size", "1", "--no_overlap", "--objectives", "grpo,dpo,nft",
-                  "--variants", "lora,full", *variant_flags)
+    report = _trace(model, hps_flags, work, "--sp_size", "1", "--no_overlap", "--objectives", "grpo,dpo,nft",
+                    "--variants", "lora,full", *variant_flags, *FAMILY_EXTRA.get(request.param, ()))
+    return {**report, "preset": request.param}
 
 
 @pytest.mark.parametrize("check", list(fake_cuda.CHECKS))
@@ -147,3 +151,6 @@ def test_family_trace_covers_every_objective(family_report: dict) -> None:
     assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}
     assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops
+    if "--sp_size" in FAMILY_EXTRA.get(family_report["preset"], ()):  # Wan: its SP 2 forward over the video tokens
+        assert {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"} <= set(family_report["paths"])
+        assert [a for a in family_report["attention"] if a["path"].startswith("sp2/")], "no attention under SP 2"

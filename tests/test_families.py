@@ -41,12 +41,32 @@ class Spec:
     config_preset: str
     pipeline_latents: Callable[[torch.Tensor, object], torch.Tensor]  # packed (B, L, C), geometry -> latents=
     cfg_kwargs: Callable[[float, str], dict]  # (cfg scale, negative prompt) -> pipeline call kwargs
+    flags: tuple[str, ...] = ()  # the trainers' and sample.py's extra flags (a video family: its frame count)
+    call: tuple[tuple[str, object], ...] = ()  # the pipeline call's extra kwargs (a video family: num_frames)
+    output: str = "images"  # the pipeline output's field (a video family: frames, (B, F, 3, H, W))
+
+    def geometry(self, family, model) -> object:
+        """The family's latent geometry at H x W (a video family: the frames of ``flags``)."""
+        from fastvideo import models
+
+        frames = int(self.flags[self.flags.index("--num_frames") + 1]) if "--num_frames" in self.flags else None
+        return models.geometry_for(family, model, H, W, frames)
+
+    def sample(self, pipe, **kwargs) -> torch.Tensor:
+        """The stock pipeline's output tensor (images or videos) for ``kwargs`` plus this family's extras."""
+        return getattr(pipe(**dict(self.call), **kwargs), self.output)
 
 
 def _unpacked(packed: torch.Tensor, geometry) -> torch.Tensor:
     from fastvideo.models.flux import unpack_latents
 
     return unpack_latents(packed, geometry)
+
+
+def _wan_latents(packed: torch.Tensor, geometry) -> torch.Tensor:
+    from fastvideo.models.wan import unpack_video
+
+    return unpack_video(packed, geometry)
 
 
 def _flux2_latents(packed: torch.Tensor, geometry) -> torch.Tensor:
@@ -61,6 +81,9 @@ SPECS = {
                        lambda s, neg: dict(true_cfg_scale=s, negative_prompt=neg)),
     "flux2": Spec("flux2", "flux2-tiny", "flux2-klein-4b-config", _flux2_latents,
                   lambda s, neg: dict(guidance_scale=s)),  # Flux2KleinPipeline's negative is always ""
+    "wan": Spec("wan", "wan-tiny", "wan2.1-t2v-14b-config", _wan_latents,
+                lambda s, neg: dict(guidance_scale=s, negative_prompt=neg), ("--num_frames", "5"),
+                (("num_frames", 5),), "frames"),
 }
 
 
@@ -88,7 +111,7 @@ def fam(request, tmp_path_factory) -> dict:
 def test_auto_picks_the_family_and_pipeline_defaults_use_cfg(fam):
     family, spec = fam["family"], fam["spec"]
     assert family.name == spec.name and family.defaults.cfg_scale > 1  # the tiny presets are CFG models
-    assert not family.sequence_parallel and family.lora_target_modules
+    assert family.sequence_parallel == family.video and family.lora_target_modules  # SP: FLUX.1's and Wan's
 
 
 def test_preprocessing_on_two_ranks_equals_encode_prompts(fam):
@@ -117,7 +140,7 @@ def _grpo_args(fam: dict, out: Path, *extra: str) -> list[str]:
             "--sampling_steps", "4", "--num_generations", "4", "--prompts_per_step", "2", "--rollout_batch_size", "4",
             "--train_batch_size", "2", "--timestep_fraction", "0.7", "--reward", "jpeg_compressibility:1.0",
             "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar", "--max_train_steps", "2",
-            "--checkpointing_steps", "100", *extra]
+            "--checkpointing_steps", "100", *fam["spec"].flags, *extra]
 
 
 def _grpo(fam: dict, out: Path, *extra: str, nproc: int = 2) -> None:
@@ -132,6 +155,10 @@ def _pipeline(model: Path, dtype: torch.dtype = torch.float32):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True, torch_dtype=dtype)
+    if type(pipe.scheduler).__name__ == "UniPCMultistepScheduler":  # Wan: our sampler is the Euler grid of its shift
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -139,6 +166,7 @@ def _pipeline(model: Path, dtype: torch.dtype = torch.float32):
 # each family also trains one of GRPO's newer policy losses (two optimizer steps per rollout, so the second replays a
 # moved policy): the guard's rollout means and the DPPO divergence go through the family's guided velocity
 POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
+               "wan": ("--policy_loss", "guard", "--clip_range", "1e-3", "--sde_type", "dance_sde"),
                "qwen-image": ("--policy_loss", "dppo", "--timestep_selection", "first", "--timestep_fraction", "0.5"),
                "flux2": ("--policy_loss", "guard", "--clip_range", "1e-3")}
 
@@ -148,7 +176,7 @@ POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
 # (tests/test_family_<name>.py), and the pretend-CUDA trace runs GRPO-Guard and Flow-DPPO's updates
 @pytest.mark.parametrize("fam", [pytest.param("sd3", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
                                  pytest.param("qwen-image", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
-                                 "flux2"], indirect=True)
+                                 "flux2", "wan"], indirect=True)
 def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
     """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
     replay), with the family's ``POLICY_LOSS``: the first update's ratios are 1 (the replayed guided log-prob equals
@@ -164,12 +192,15 @@ def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(f
     moved = "guard_bias_mean" if flags[1] == "guard" else "dppo_divergence_mean"
     assert all(r[moved] > 0 for r in rows), rows  # the second optimizer step replays a moved policy
     assert rows[0]["grad_norm"] > 0  # the update reaches the adapter
+    if fam["family"].video:  # rewarded over frames, the frame-change watch logged beside (a real change: not a still)
+        assert rows[0]["reward_frame_change"] > 1e-3, sorted(rows[0])
+        assert (out / "samples" / "step-000001.png").is_file()  # frame strips
     pipe = _pipeline(fam["model"])
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
                 max_sequence_length=MSL, **fam["spec"].cfg_kwargs(cfg, fam["negative"]))
-    base = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    base = fam["spec"].sample(pipe, generator=torch.Generator().manual_seed(0), **call)
     pipe.load_lora_weights(out / "final")
-    tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+    tuned = fam["spec"].sample(pipe, generator=torch.Generator().manual_seed(0), **call)
     assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
 
 
@@ -187,7 +218,8 @@ def _sample_py(fam: dict, out: Path, max_prompts: int, *extra: str) -> Path:
     proc = subprocess.run([sys.executable, "sample.py", "--pretrained_model_name_or_path", str(fam["model"]),
                            "--prompts", str(fam["prompts"]), "--output_dir", str(out), "--h", str(H), "--w", str(W),
                            "--num_inference_steps", str(STEPS), "--max_prompts", str(max_prompts),
-                           "--max_sequence_length", str(MSL), "--device", "cpu", "--seed", "7", *extra], cwd=REPO,
+                           "--max_sequence_length", str(MSL), "--device", "cpu", "--seed", "7", *fam["spec"].flags,
+                           *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -209,16 +241,16 @@ def test_sample_py_equals_the_stock_pipeline_with_cfg(fam, tmp_path):
     assert config["cfg_scale"] == family.defaults.cfg_scale and config["negative_prompt"] == fam["negative"]
     assert EmbeddingDataset(out / "embeddings").negative_prompt == fam["negative"]
     pipe = _pipeline(fam["model"])
-    geometry = family.latent_geometry(fam["model"], H, W)
+    geometry = spec.geometry(family, fam["model"])
     noise = NoiseSource(7)
     worst = 0
     for row in _rows(out / "index.jsonl"):
         packed = noise.randn(geometry.packed_shape, step=0, prompt_id=row["prompt_id"],
                              sample_index=row["sample_index"], purpose="init")[None]
-        image = pipe(prompt=row["prompt"], height=H, width=W, num_inference_steps=STEPS, output_type="pt",
-                     latents=spec.pipeline_latents(packed, geometry), max_sequence_length=MSL,
-                     **spec.cfg_kwargs(family.defaults.cfg_scale, fam["negative"])).images[0]
-        ref = image.clamp(0, 1).mul(255).add(0.5).floor().permute(1, 2, 0).numpy().astype(np.int16)
+        image = spec.sample(pipe, prompt=row["prompt"], height=H, width=W, num_inference_steps=STEPS,
+                            output_type="pt", latents=spec.pipeline_latents(packed, geometry), max_sequence_length=MSL,
+                            **spec.cfg_kwargs(family.defaults.cfg_scale, fam["negative"]))[0]
+        ref = _eight_bit(image)
         diff = np.abs(_png(out / row["path"]) - ref)
         worst = max(worst, int(diff.max()))
         assert diff.max() <= 1 and diff.mean() < 0.01, (row["path"], diff.max(), diff.mean())
@@ -229,10 +261,23 @@ def _pipeline_image(pipe, spec: Spec, family, prompt: str, packed: torch.Tensor,
     """The stock pipeline's 8-bit image from our packed initial noise (in the pipeline's dtype), with the family's
     default CFG and negative prompt."""
     latents = spec.pipeline_latents(packed, geometry).to(pipe.transformer.dtype)
-    image = pipe(prompt=prompt, height=H, width=W, num_inference_steps=STEPS, output_type="pt", latents=latents,
-                 max_sequence_length=MSL, **spec.cfg_kwargs(family.defaults.cfg_scale, family.defaults.negative_prompt)
-                 ).images[0].float()
-    return image.clamp(0, 1).mul(255).add(0.5).floor().permute(1, 2, 0).numpy().astype(np.int16)
+    image = spec.sample(pipe, prompt=prompt, height=H, width=W, num_inference_steps=STEPS, output_type="pt",
+                        latents=latents, max_sequence_length=MSL,
+                        **spec.cfg_kwargs(family.defaults.cfg_scale, family.defaults.negative_prompt))[0].float()
+    return _eight_bit(image)
+
+
+def _eight_bit(sample: torch.Tensor) -> np.ndarray:
+    """A pipeline's image (3, H, W) as sample.py's PNG holds it (8-bit, H x W x 3); a video (F, 3, H, W) as its
+    frame strip PNG (``evaluation.save_sample``)."""
+    if sample.ndim == 4:
+        from torchvision.utils import make_grid
+
+        from fastvideo.logging import STRIP_FRAMES, frame_strips
+
+        sample = make_grid(frame_strips(sample[None]).float().clamp(0, 1), nrow=min(STRIP_FRAMES, sample.shape[0]),
+                           padding=2)
+    return sample.clamp(0, 1).mul(255).add(0.5).floor().permute(1, 2, 0).numpy().astype(np.int16)
 
 
 @pytest.mark.slow(cover="test_sample.py::test_base_model_output_is_complete_deterministic_and_equals_flux_pipeline",
@@ -247,7 +292,7 @@ def test_sample_py_in_bf16_is_as_close_to_the_fp32_pipeline_as_the_bf16_pipeline
     family, spec = fam["family"], fam["spec"]
     out = _sample_py(fam, tmp_path / "samples", 1, "--mixed_precision", "bf16")
     row = _rows(out / "index.jsonl")[0]
-    geometry = family.latent_geometry(fam["model"], H, W)
+    geometry = spec.geometry(family, fam["model"])
     packed = NoiseSource(7).randn(geometry.packed_shape, step=0, prompt_id=row["prompt_id"],
                                   sample_index=row["sample_index"], purpose="init")[None]
     fp32 = _pipeline_image(_pipeline(fam["model"]), spec, family, row["prompt"], packed, geometry)
@@ -269,7 +314,7 @@ def test_dpo_nft_awm_with_lora_and_a_grpo_full_fine_tune(fam, tmp_path):
               "--device", "cpu", "--h", str(H), "--w", str(W), "--sampling_steps", "4", "--num_generations", "4",
               "--prompts_per_step", "2", "--rollout_batch_size", "4", "--train_batch_size", "2", "--reward",
               "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
-              "--max_train_steps", "2", "--checkpointing_steps", "100", "--lora_rank", "4"]
+              "--max_train_steps", "2", "--checkpointing_steps", "100", "--lora_rank", "4", *fam["spec"].flags]
     family = fam["family"]
     full = _grpo_args(fam, tmp_path / "full", "--lora_rank", "0", "--cfg_scale", str(family.defaults.cfg_scale),
                       "--learning_rate", "1e-4")
@@ -281,13 +326,13 @@ def test_dpo_nft_awm_with_lora_and_a_grpo_full_fine_tune(fam, tmp_path):
                     (full[0], full[1:])], tmp_path)
     call = dict(prompt="a red cube on a table", height=H, width=W, num_inference_steps=2, output_type="pt",
                 max_sequence_length=MSL)
-    base = _pipeline(fam["model"])(generator=torch.Generator().manual_seed(0), **call).images
+    base = fam["spec"].sample(_pipeline(fam["model"]), generator=torch.Generator().manual_seed(0), **call)
     for name in ("dpo", "nft", "awm"):
         rows = _rows(tmp_path / name / "metrics.jsonl")
         assert len(rows) == 2 and all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), (name, rows)
         pipe = _pipeline(fam["model"])
         pipe.load_lora_weights(tmp_path / name / "final")  # a LoRA folder of the family's pipeline
-        tuned = pipe(generator=torch.Generator().manual_seed(0), **call).images
+        tuned = fam["spec"].sample(pipe, generator=torch.Generator().manual_seed(0), **call)
         assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4, name
     cls = family.transformer_class()
     tuned = cls.from_pretrained(tmp_path / "full" / "final", local_files_only=True)
@@ -317,3 +362,17 @@ def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastvideo.compare", str(straight / "rec"), str(replay / "rec")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "agree" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("fam", ["wan"], indirect=True)
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_equals_sp1_on_two_ranks", cost_s=20)
+def test_video_sp2_on_two_ranks_equals_one_rank(fam, tmp_path):
+    """Wan GRPO LoRA with CFG, Ulysses --sp_size 2 over the video tokens on 2 ranks (one data-parallel replica) against
+    1 rank: the same rollout (step 1's rewards equal), the same gradient to float rounding, and the same run after."""
+    flags = ("--lora_rank", "4", "--cfg_scale", "5", "--fsdp_version", "2")
+    _grpo(fam, tmp_path / "sp2", *flags, "--sp_size", "2")
+    _grpo(fam, tmp_path / "sp1", *flags, nproc=1)
+    sp2, sp1 = _rows(tmp_path / "sp2" / "metrics.jsonl"), _rows(tmp_path / "sp1" / "metrics.jsonl")
+    assert sp2[0]["reward_mean"] == sp1[0]["reward_mean"]  # the rollout's videos score alike
+    assert sp2[0]["grad_norm"] == pytest.approx(sp1[0]["grad_norm"], rel=1e-5)
+    assert sp2[1]["reward_mean"] == pytest.approx(sp1[1]["reward_mean"], rel=1e-4)

@@ -24,7 +24,7 @@ from fastvideo.options import opt
 from fastvideo.plugins import load_object
 
 __all__ = ["ModelFamily", "SamplerDefaults", "read_scheduler_config", "FAMILIES", "names", "resolve", "family_for",
-           "family_of", "tag", "spec_of"]
+           "family_of", "tag", "spec_of", "geometry_for"]
 
 # name -> "module:Class" of the adapters this package ships (imported on first use)
 FAMILIES: dict[str, str] = {
@@ -32,6 +32,7 @@ FAMILIES: dict[str, str] = {
     "sd3": "fastvideo.models.sd3:SD3",
     "qwen-image": "fastvideo.models.qwen_image:QwenImage",
     "flux2": "fastvideo.models.flux2:Flux2",
+    "wan": "fastvideo.models.wan:Wan",
 }
 _HELP = "docs/model-families.md"
 _cache: dict[str, ModelFamily] = {}
@@ -107,6 +108,17 @@ def family_for(args: Any) -> ModelFamily:
     return resolve(spec_of(args), args.pretrained_model_name_or_path)
 
 
+def geometry_for(family: ModelFamily, source: Any, height: int, width: int, frames: int | None = None) -> Any:
+    """The latent geometry of ``height`` x ``width`` samples (a video family: of ``frames`` frames, None = its
+    pipeline's default); ``frames`` other than None or 1 for an image family is a ValueError naming the flag."""
+    if family.video:
+        return family.latent_geometry(source, height, width, frames)
+    if frames not in (None, 1):
+        raise ValueError(f"--num_frames {frames}: the {family.name} family samples images; drop --num_frames (video "
+                         "families: wan)")
+    return family.latent_geometry(source, height, width)
+
+
 def family_of(transformer: Any) -> ModelFamily:
     """The adapter a transformer was built or loaded with (``tag``), else the registered family whose
     ``transformer_classes`` names its class (a model built directly with diffusers)."""
@@ -129,7 +141,7 @@ class ModelOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers model folder (model_index.json, transformer/, vae/, ...); required")
     model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
-                                    "qwen-image | flux2 | "
+                                    "qwen-image | flux2 | wan | "
                                     "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     data_json_path: str | None = opt(
         None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")

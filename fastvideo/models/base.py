@@ -34,6 +34,8 @@ class SamplerDefaults:
     shift: float | None = None
     cfg_scale: float = 1.0  # true classifier-free guidance of the stock pipeline (1 = none: FLUX.1's distilled guidance)
     negative_prompt: str = ""  # the negative prompt --cfg_scale > 1 guides away from (stock pipelines: "")
+    num_frames: int = 1  # frames per sample (a video family's pipeline default; 1: images)
+    fps: int | None = None  # a video family's frame rate (its MP4s; None: images)
 
     def fill(self, args: Any, flags: Mapping[str, str], unused_guidance: float) -> list[str]:
         """Set each of ``flags`` (flag name -> field name here) that ``args`` leaves unset (None) to this default;
@@ -98,6 +100,7 @@ class ModelFamily:
     lora_target_modules: ClassVar[tuple[str, ...]] = ()  # default --lora_target_modules
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the transformer's repeated-block ModuleLists
     sequence_parallel: ClassVar[bool] = False  # whether --sp_size > 1 (Ulysses) is implemented for this family
+    video: ClassVar[bool] = False  # samples are videos: latent_geometry takes frames, decode returns (B, F, 3, H, W)
 
     recipes: ClassVar[dict[str, str]] = {}  # trainer (grpo, dpo, nft) -> the launchers' default recipe for it
 

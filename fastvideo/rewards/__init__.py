@@ -126,12 +126,13 @@ def display_values(metrics: dict[str, float]) -> dict[str, str]:
 
 
 # Every reward option flag a trainer passes to ``build_reward``, as the rewards declare them: the built-in rewards'
-# files and architecture flags, the URL rewards' options, and a user's reward factory's keyword arguments.
+# files and architecture flags, the URL rewards' options, a user's reward factory's keyword arguments, and how videos
+# are scored.
 REWARD_PATH_FLAGS: tuple[str, ...] = tuple(dict.fromkeys([
     *(flag for reward in REWARDS.values() for flag, _, _ in reward.paths),
     *(reward.arch_flag for reward in REWARDS.values() if reward.arch_flag),
     *(option for _, _, options in _URL_REGISTRY.values() for option in options),
-    "reward_options"]))
+    "reward_options", "frame_reduce", "reward_frames"]))
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,10 @@ class RewardFn:
     # a non-finite score: "error" raises ValueError naming the reward and prompt here; "keep" returns it for the caller
     # to handle (the trainers' --nonfinite_reward drop: Run.gather_rewards drops the sample on every rank alike)
     nonfinite: str = "error"
+    # videos (B, F, 3, H, W): every component scores ``reward_frames`` evenly spaced frames (0 = all), reduced per
+    # video by ``frame_reduce`` (mean | min: over those frames; first | last: that frame only)
+    frame_reduce: str = "mean"
+    reward_frames: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -323,10 +328,14 @@ class RewardFn:
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score a batch; all outputs are detached (B,) float32 CPU tensors, "total" = sum of weight * component
-        (a dict-returning scorer adds its extra entries as ``name_key``, outside the total)."""
+        (a dict-returning scorer adds its extra entries as ``name_key``, outside the total). Videos (B, F, 3, H, W):
+        ``score_video``."""
+        if torch.is_tensor(images) and images.ndim == 5 and images.shape[2] == 3:
+            return self.score_video(images, prompts)
         if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3:
             shape = tuple(images.shape) if torch.is_tensor(images) else type(images).__name__
-            raise ValueError(f"rewards take images of shape (B, 3, H, W) in [0, 1], got {shape}")
+            raise ValueError(f"rewards take images of shape (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], got "
+                             f"{shape}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if len(prompts) != images.shape[0]:
             raise ValueError(f"got {images.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
@@ -350,9 +359,48 @@ class RewardFn:
                 total = total + weight * out[name]
         return {"total": total, **out}
 
+    def score_video(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Videos (B, F, 3, H, W): each component on the frames ``frame_index`` picks (one batch of B x N images, the
+        prompt repeated per frame), reduced per video by ``frame_reduce``; "total" = the weighted sum of the reduced
+        components; plus ``frame_change``, the mean absolute change between consecutive frames (all F), logged beside
+        the reward and never trained on: a flicker or a frozen video shows in its curve."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        B, F = videos.shape[:2]
+        if len(prompts) != B:
+            raise ValueError(f"got {B} videos but {len(prompts)} prompts; pass one prompt per video")
+        index = frame_index(F, self.reward_frames, self.frame_reduce)
+        N = len(index)
+        frames = torch.stack([videos[:, i] for i in index.tolist()], dim=1).flatten(0, 1)  # no CPU index on a GPU
+        scored = self(frames, [p for p in prompts for _ in range(N)])
+        reduce = {"mean": lambda v: v.mean(dim=1), "min": lambda v: v.min(dim=1).values}.get(
+            self.frame_reduce, lambda v: v[:, 0])
+        out = {key: reduce(value.view(B, N)) for key, value in scored.items() if key != "total"}
+        total = torch.zeros(B, dtype=torch.float32)
+        for name, weight, _ in self.components:
+            total = total + weight * out[name]
+        change = (videos[:, 1:] - videos[:, :-1]).abs().float().mean(dim=(1, 2, 3, 4)) if F > 1 else torch.zeros(B)
+        return {"total": total, **out, "frame_change": change.detach().to("cpu", torch.float32)}
+
     def __repr__(self) -> str:
         spec = ",".join(f"{n}:{w:g}" for n, w, _ in self.components)
         return f"RewardFn({spec!r}, device={self.device})"
+
+
+FRAME_REDUCES = ("mean", "min", "first", "last")
+
+
+def frame_index(frames: int, reward_frames: int = 0, frame_reduce: str = "mean") -> torch.Tensor:
+    """The frames of an F-frame video a reward scores: ``first`` / ``last`` that frame; else ``reward_frames``
+    evenly spaced ones, first and last included (0 or >= F: all)."""
+    if frame_reduce not in FRAME_REDUCES:
+        raise ValueError(f"--frame_reduce must be one of {', '.join(FRAME_REDUCES)}, got {frame_reduce!r}")
+    if reward_frames < 0:
+        raise ValueError(f"--reward_frames must be >= 0 (0 = every frame), got {reward_frames}")
+    if frame_reduce in ("first", "last"):
+        return torch.tensor([0 if frame_reduce == "first" else frames - 1])
+    if reward_frames == 0 or reward_frames >= frames:
+        return torch.arange(frames)
+    return torch.linspace(0, frames - 1, reward_frames).round().long()
 
 
 def _concat(chunks: list) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -384,14 +432,17 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  reward_timeout_s: float = 120.0, reward_retries: int = 2, remote_batch_size: int = 0,
                  remote_max_concurrency: int = 4, judge_model: str | None = None, judge_template: str | None = None,
                  judge_score: str = "yes_no", judge_max_score: float = 10.0, judge_max_concurrency: int = 8,
-                 reward_options: Sequence[str] | dict | None = None) -> RewardFn:
+                 reward_options: Sequence[str] | dict | None = None, frame_reduce: str = "mean",
+                 reward_frames: int = 0) -> RewardFn:
     """Build the weighted reward of ``spec``; every path and option is validated before any model is loaded (a URL
     reward asks its server's /health as it is built: RewardServerError naming the URL when it does not answer).
 
     Keyword names equal the trainer's flags (``hps_model`` takes an open_clip name or a model-config JSON;
-    ``reward_options``: --reward_options KEY=VALUE, the keyword arguments of every user reward's factory).
+    ``reward_options``: --reward_options KEY=VALUE, the keyword arguments of every user reward's factory;
+    ``frame_reduce`` / ``reward_frames``: how videos are scored, ``RewardFn.score_video``).
     """
     items = parse_reward_items(spec)
+    frame_index(2, reward_frames, frame_reduce)  # the video flags, checked before anything loads
     if batch_size < 0:
         raise ValueError(f"--reward_batch_size must be >= 0 (0 = the whole batch in one call), got {batch_size}")
     url_options = dict(reward_timeout_s=reward_timeout_s, reward_retries=reward_retries,
@@ -425,7 +476,7 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                                  "the fastvideo package") from None
             scorer = getattr(module, factory)(item.url, device, **{k: url_options[k] for k in option_names})
         built.append((item.name, item.weight, scorer))
-    return RewardFn(built, device, batch_size)
+    return RewardFn(built, device, batch_size, frame_reduce=frame_reduce, reward_frames=reward_frames)
 
 
 __all__ = ["JUDGE_SCORES", "REWARD_NAMES", "URL_REWARD_NAMES", "RewardFn", "RewardItem", "Scorer", "build_reward",
@@ -484,6 +535,11 @@ class RewardOptions:
     aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
     aesthetic_clip_checkpoint: str | None = opt(
         None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
+    frame_reduce: str = opt("mean", "videos: how a reward's per-frame scores become the video's: mean | min over the "
+                                    "--reward_frames frames, or first | last (that frame only); every image reward "
+                                    "scores frames as images (docs/video.md)", choices=FRAME_REDUCES)
+    reward_frames: int = opt(0, "videos: frames each reward scores, evenly spaced with the first and last (0 = every "
+                                "frame; fewer frames, cheaper rewards)")
     nonfinite_reward: str = opt(
         "error", "a NaN/inf reward: 'error' stops the run naming the reward and prompt; 'drop' drops the sample (its "
         "group's advantages are computed without it, it trains nothing) and counts it (dropped_samples)",
