@@ -30,6 +30,9 @@ PROMPTS = 6
 
 # the default family run: the slow family tests' cover
 FLUX2_GRPO = "test_families.py::test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads[flux2]"
+# Wan's default-tier cover: its rollout, replay and updates traced at world size 8 (tests/test_fake_cuda.py)
+WAN_TRACE = "test_fake_cuda.py::test_family_trace_covers_every_objective[wan-tiny]"
+WAN_ENCODE = "test_family_wan.py::test_encode_prompts_equals_the_pipelines_encode_prompt"
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,10 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
+# Wan's 2-rank preprocessing (the fixture, ~9 s) is slow-tier: its adapter's encode_prompts is checked against the
+# pipeline in the default tier (WAN_ENCODE)
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow(cover=WAN_ENCODE, cost_s=9))
+                                        if name == "wan" else name for name in SPECS])
 def fam(request, tmp_path_factory) -> dict:
     """The family's tiny folder and the embeddings of the first prompts of assets/prompts.txt, preprocessed on 2
     ranks in shards of 2 with the family's negative prompt."""
@@ -176,7 +182,9 @@ POLICY_LOSS = {"sd3": ("--policy_loss", "guard", "--clip_range", "1e-3"),
 # (tests/test_family_<name>.py), and the pretend-CUDA trace runs GRPO-Guard and Flow-DPPO's updates
 @pytest.mark.parametrize("fam", [pytest.param("sd3", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
                                  pytest.param("qwen-image", marks=pytest.mark.slow(cover=FLUX2_GRPO, cost_s=12)),
-                                 "flux2", "wan"], indirect=True)
+                                 "flux2",
+                                 pytest.param("wan", marks=pytest.mark.slow(cover=WAN_TRACE, cost_s=11))],
+                         indirect=True)
 def test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads(fam, tmp_path):
     """GRPO, LoRA rank 4, true CFG at the family's scale (one batched cond + uncond forward in the rollout and the
     replay), with the family's ``POLICY_LOSS``: the first update's ratios are 1 (the replayed guided log-prob equals
@@ -365,14 +373,13 @@ def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
 
 
 @pytest.mark.parametrize("fam", ["wan"], indirect=True)
-@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_equals_sp1_on_two_ranks", cost_s=20)
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_equals_sp1_on_two_ranks", cost_s=15)
 def test_video_sp2_on_two_ranks_equals_one_rank(fam, tmp_path):
     """Wan GRPO LoRA with CFG, Ulysses --sp_size 2 over the video tokens on 2 ranks (one data-parallel replica) against
-    1 rank: the same rollout (step 1's rewards equal), the same gradient to float rounding, and the same run after."""
-    flags = ("--lora_rank", "4", "--cfg_scale", "5", "--fsdp_version", "2")
+    1 rank, one step: the same rollout (its rewards equal) and the same gradient to float rounding."""
+    flags = ("--lora_rank", "4", "--cfg_scale", "5", "--fsdp_version", "2", "--max_train_steps", "1")
     _grpo(fam, tmp_path / "sp2", *flags, "--sp_size", "2")
     _grpo(fam, tmp_path / "sp1", *flags, nproc=1)
     sp2, sp1 = _rows(tmp_path / "sp2" / "metrics.jsonl"), _rows(tmp_path / "sp1" / "metrics.jsonl")
     assert sp2[0]["reward_mean"] == sp1[0]["reward_mean"]  # the rollout's videos score alike
-    assert sp2[0]["grad_norm"] == pytest.approx(sp1[0]["grad_norm"], rel=1e-5)
-    assert sp2[1]["reward_mean"] == pytest.approx(sp1[1]["reward_mean"], rel=1e-4)
+    assert sp2[0]["grad_norm"] == pytest.approx(sp1[0]["grad_norm"], rel=1e-5) and sp2[0]["grad_norm"] > 0

@@ -128,7 +128,7 @@ def test_flux_recipe_matches_dance_grpo_8gpu_script(tmp_path):
                     decode_x0=True, init_same_noise=True, num_generations=12, prompts_per_step=16, train_batch_size=2,
                     gradient_accumulation_steps=6, timestep_fraction=0.6, clip_range=1e-4, adv_clip_max=5.0,
                     adv_eps=1e-8, global_std=False, learning_rate=1e-5, lr_warmup_steps=0, weight_decay=1e-4,
-                    max_grad_norm=0.01, use_ema=True, ema_decay=0.995, max_train_steps=300, checkpointing_steps=40,
+                    max_grad_norm=0.01, use_ema=True, ema_decay=0.997497, max_train_steps=300, checkpointing_steps=40,
                     seed=42, reward="hpsv2:1.0", mixed_precision="bf16", gradient_checkpointing=True,
                     fsdp_sharding_strategy="full", resume_from="latest")
     assert {k: getattr(args, k) for k in expected} == expected

@@ -55,6 +55,7 @@ PRESET_PARAMS = {
     "sd3.5-medium-config": r"2\.\d+B",
     "qwen-image-config": r"20\.\d+B",
     "flux2-klein-4b-config": r"[34]\.\d+B",
+    "wan2.1-t2v-14b-config": r"14\.\d+B",
 }
 
 
@@ -203,7 +204,7 @@ def test_recipes_exist():
             "flow_grpo_sd3_pickscore.yaml", "flow_grpo_fast_sd3.yaml", "nft_sd3.yaml", "verl_omni_qwen_image_ocr.yaml",
             "flux2_klein_grpo.yaml", "awm_flux.yaml", "awm_sd3_pickscore.yaml", "awm_sd3_geneval.yaml",
             "awm_sd3_ocr.yaml", "grpo_guard_qwen_image_ocr.yaml", "flow_dppo_qwen_image_ocr.yaml",
-            "grpo_guard_sd3.yaml", "grpo_guard_flux.yaml", "flow_dppo_sd3.yaml"} <= names, names
+            "grpo_guard_sd3.yaml", "grpo_guard_flux.yaml", "flow_dppo_sd3.yaml", "flow_grpo_wan.yaml"} <= names, names
     assert not [p.name for p in RECIPE_DIR.iterdir() if p.suffix != ".yaml"], "scripts/recipes/ holds only YAMLs"
 
 

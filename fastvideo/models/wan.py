@@ -238,6 +238,7 @@ class Wan(ModelFamily):
     defaults = SamplerDefaults(steps=50, guidance=None, height=480, width=832, max_sequence_length=DEFAULT_TEXT_TOKENS,
                                shift=FLOW_SHIFT, cfg_scale=5.0, negative_prompt="", num_frames=81, fps=16)
     lora_target_modules = LORA_TARGET_MODULES
+    recipes = {"grpo": "scripts/recipes/flow_grpo_wan.yaml"}  # the launchers' default (scripts/recipes/)
     block_lists = ("blocks",)
     sequence_parallel = True  # diffusers' WanTransformer3DModel._cp_plan: video tokens split, text kept whole
     video = True
