@@ -24,7 +24,7 @@ from fastvideo.data import MANIFEST_NAME, atomic_write_text, is_manifest, open_p
 from fastvideo.options import need, opt
 from fastvideo.record import read_jsonl
 from fastvideo.rewards import check_url_reward_flags, parse_eval_reward_spec, parse_reward_spec
-from fastvideo.rollout import RolloutConfig, rollout
+from fastvideo.rollout import VIDEO_SAMPLER_FLAGS, RolloutConfig, rollout
 
 # two-sided 95% Student-t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -101,14 +101,10 @@ def save_sample(sample: torch.Tensor, out: Path, name: str, fps: int | None = No
     if sample.ndim == 3:
         save_png(sample, out / "images" / name)
         return {"path": f"images/{name}"}
-    from torchvision.utils import make_grid  # heavy
-
-    from fastvideo.logging import STRIP_FRAMES, frame_strips
+    from fastvideo.logging import strip_grid
     from fastvideo.video import write_mp4
 
-    strip = frame_strips(sample[None])
-    save_png(make_grid(strip.float().clamp(0, 1), nrow=min(STRIP_FRAMES, sample.shape[0]), padding=2),
-             out / "images" / name)
+    save_png(strip_grid(sample[None]), out / "images" / name)
     video = Path(name).with_suffix(".mp4").name
     write_mp4(sample, out / "videos" / video, fps or 16)
     return {"path": f"images/{name}", "video": f"videos/{video}"}
@@ -384,7 +380,7 @@ def fill_family_defaults(args: argparse.Namespace, family: Any) -> None:
                   "max_sequence_length": "max_sequence_length", "cfg_scale": "cfg_scale", "guidance_scale": "guidance"},
            unused_guidance=1.0)
     if family.video:
-        d.fill(args, {"num_frames": "num_frames", "fps": "fps"}, unused_guidance=1.0)
+        d.fill(args, VIDEO_SAMPLER_FLAGS, unused_guidance=1.0)
     if getattr(args, "negative_prompt", None) is None and args.cfg_scale > 1:
         args.negative_prompt = d.negative_prompt
 

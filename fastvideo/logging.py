@@ -149,12 +149,21 @@ def save_image_grid(images: torch.Tensor, path: str | Path, nrow: int | None = N
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if images.ndim == 5:
-        nrow = min(STRIP_FRAMES, images.shape[1])
-        images = frame_strips(images)
-    nrow = nrow or max(1, int(math.ceil(math.sqrt(images.shape[0]))))
-    grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=nrow, padding=2)
+        grid = strip_grid(images)
+    else:
+        nrow = nrow or max(1, int(math.ceil(math.sqrt(images.shape[0]))))
+        grid = make_grid(images.detach().float().cpu().clamp(0, 1), nrow=nrow, padding=2)
     save_image(grid, str(path))
     return grid
+
+
+def strip_grid(videos: torch.Tensor) -> torch.Tensor:
+    """Videos (B, F, 3, H, W) in [0, 1] as one image (3, H', W'): each video's ``frame_strips`` as a row (padding
+    2), the layout of training grids and of ``sample.py``'s strip PNGs."""
+    from torchvision.utils import make_grid  # heavy
+
+    return make_grid(frame_strips(videos).detach().float().cpu().clamp(0, 1), nrow=min(STRIP_FRAMES, videos.shape[1]),
+                     padding=2)
 
 
 def peak_memory_gb(device: torch.device | str) -> float:

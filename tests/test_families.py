@@ -279,12 +279,9 @@ def _eight_bit(sample: torch.Tensor) -> np.ndarray:
     """A pipeline's image (3, H, W) as sample.py's PNG holds it (8-bit, H x W x 3); a video (F, 3, H, W) as its
     frame strip PNG (``evaluation.save_sample``)."""
     if sample.ndim == 4:
-        from torchvision.utils import make_grid
+        from fastvideo.logging import strip_grid
 
-        from fastvideo.logging import STRIP_FRAMES, frame_strips
-
-        sample = make_grid(frame_strips(sample[None]).float().clamp(0, 1), nrow=min(STRIP_FRAMES, sample.shape[0]),
-                           padding=2)
+        sample = strip_grid(sample[None])
     return sample.clamp(0, 1).mul(255).add(0.5).floor().permute(1, 2, 0).numpy().astype(np.int16)
 
 
