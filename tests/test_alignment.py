@@ -2,6 +2,7 @@
 replay's checks, reward scoring of a fixed image set, and compare's stage detection."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -173,13 +174,17 @@ def test_identical_runs_are_bit_identical_and_replay_exactly(algo, tiny_flux_dir
     replay of the first that scores its recorded images (--replay_images) agrees with it (compare exits 0); DPO's
     replay is tested offline (test_train_dpo.py), GRPO's across world sizes above."""
     runs = {name: tmp_path / name for name in ("a", "b", "replay")}
-    for name in ("a", "b"):
-        run_torchrun(trainer_args(algo, tiny_flux_dir, tiny_data, runs[name], *hps_flags,
-                                  "--record_dir", str(runs[name] / "rec")), nproc=1)
+
+    def run(name: str, *extra: str) -> None:
+        run_torchrun(trainer_args(algo, tiny_flux_dir, tiny_data, runs[name], *hps_flags, *extra, "--record_dir",
+                                  str(runs[name] / "rec")), nproc=1)
+
+    # one rank each with one thread (run_torchrun's OMP_NUM_THREADS=1): the two runs share the 2 cores side by side
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for done in [pool.submit(run, "a"), pool.submit(run, "b")]:
+            done.result()
     if algo == "nft":
-        run_torchrun(trainer_args(algo, tiny_flux_dir, tiny_data, runs["replay"], *hps_flags, "--replay_dir",
-                                  str(runs["a"] / "rec"), "--replay_images", "--record_dir",
-                                  str(runs["replay"] / "rec")), nproc=1)
+        run("replay", "--replay_dir", str(runs["a"] / "rec"), "--replay_images")
     first = read_metrics(runs["a"] / "run" / "metrics.jsonl")
     assert len(first) == 2 and comparable(first) == comparable(read_metrics(runs["b"] / "run" / "metrics.jsonl"))
     for pattern in ("rec/step-*/images/*.png", "rec/step-*/draws-rank0.safetensors", "run/samples/*.png"):

@@ -102,14 +102,18 @@ def _preset(recipe: Path) -> str:
 
 
 # Runs the trainers' own --dry_run for the recipes, each on the folder of the preset its "# model:" line names. Two
-# workers share the work: each claims the next unbuilt preset and writes its folder (one builds while the other builds
-# the next or imports diffusers), then each claims the next unplanned recipe and waits for its preset's folder, so on
-# two cores the whole takes about half its serial time. A preset that fails to build fails only its recipes.
+# workers share the work from the two ends of the preset-sorted lists: each claims the next unbuilt preset and writes
+# its folder, then the next unplanned recipe, waiting for its preset's folder; working through one model's plans at a
+# time, a worker's in-process trace memo (memory._TRACE_MEMO) serves the plans that repeat a trace. A preset that
+# fails to build fails only its recipes.
 WORKER = r"""
 import contextlib, importlib.util, io, json, os, sys, time, traceback
 from pathlib import Path
 
-model_root, out_dir, world, device_gb, presets, *jobs = sys.argv[1:]
+model_root, out_dir, world, device_gb, worker, presets, *jobs = sys.argv[1:]
+presets = json.loads(presets)
+if worker == "1":  # the second worker works from the other end of the preset-sorted list
+    presets, jobs = presets[::-1], jobs[::-1]
 
 
 def claim(path):
@@ -120,7 +124,7 @@ def claim(path):
         return False
 
 
-for preset in json.loads(presets):
+for preset in presets:
     folder = Path(model_root, preset)
     if claim(str(folder) + ".claim"):
         try:
@@ -185,9 +189,10 @@ def dry_runs(tmp_path_factory) -> dict[str, dict]:
     jobs += [f"{name}::{RECIPE_DIR / recipe if recipe else ''}::{REPO / script}::{preset}::{json.dumps(flags)}"
              for name, (recipe, script, preset, flags) in PLAN_VARIANTS.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    jobs.sort(key=lambda job: job.split("::")[3])  # by preset: each worker's plans of one model share its traces
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(models), str(root), str(WORLD), str(DEVICE_GB),
-                                 json.dumps(presets), *jobs], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+                                 str(i), json.dumps(presets), *jobs], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = [w.communicate(timeout=600)[0] for w in workers]
     results = {}
     for name in [recipe.stem for recipe in RECIPES] + list(PLAN_VARIANTS):
