@@ -526,6 +526,10 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
     "wan-tiny": ("fastvideo.models.wan_presets:build_tiny", "a tiny Wan2.1 text-to-video model at 64px x 5 frames"),
     "wan2.1-t2v-14b-config": ("fastvideo.models.wan_presets:write_config",
                               "Wan2.1-T2V-14B's real configs, no weights"),
+    "wan22-ti2v-tiny": ("fastvideo.models.wan_presets:build_tiny_ti2v",
+                        "a tiny Wan2.2-TI2V layout (48-channel VAE, a timestep per token) at 64px x 5 frames"),
+    "wan2.2-ti2v-5b-config": ("fastvideo.models.wan_presets:write_config_ti2v",
+                              "Wan2.2-TI2V-5B's real configs, no weights"),
 }
 write_atomically = _write_atomically  # the family modules' builders use it
 

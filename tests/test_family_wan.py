@@ -72,7 +72,7 @@ def test_stock_pipeline_loads_the_tiny_folder_and_auto_finds_wan(tiny_wan, pipe,
     shutil.copytree(tiny_wan, a14b)
     index = json.loads((a14b / "model_index.json").read_text())
     (a14b / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
-    with pytest.raises(ValueError, match="Wan2.2 folder .* Wan2.1 T2V folder"):
+    with pytest.raises(ValueError, match="Wan2.2 two-expert folder .* Wan2.1 T2V folder"):
         family.check_folder(a14b)
 
 

@@ -196,7 +196,8 @@ def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: i
     text and time embedders, which see no trained input).
 
     Per sample, width D, FFN width F, L video and T text tokens: a block 8·L·D² (self-attention q/k/v/o) + 4·L·D²
-    (cross-attention q/o) + 4·T·D² (cross k/v) + 4·L·D·F (FFN) + 4·L²·D + 4·L·T·D (attention)."""
+    (cross-attention q/o) + 4·T·D² (cross k/v) + 4·L·D·F (FFN) + 4·L²·D + 4·L·T·D (attention); the time MLP runs
+    once per sample, or once per token under TI2V's ``expand_timesteps``."""
     D = int(config_get(config, "num_attention_heads")) * int(config_get(config, "attention_head_dim"))
     F = int(config_get(config, "ffn_dim"))
     L, T = int(image_tokens), int(text_tokens)
@@ -207,8 +208,9 @@ def transformer_flops(config: Any, image_tokens: int, text_tokens: int, batch: i
     out_ch = int(config_get(config, "out_channels") or in_ch)
     freq = int(config_get(config, "freq_dim", 256))
     text_dim = int(config_get(config, "text_dim"))
-    inputs = 2 * L * in_ch * p * D + 2 * T * text_dim * D + 2 * freq * D  # patch conv, text and time MLPs' inputs
-    embed = inputs + 2 * T * D * D + 2 * D * D + 2 * D * 6 * D  # their second layers, the 6D time projection
+    times = L if expands_timesteps(config) else 1  # TI2V embeds a timestep per video token
+    inputs = 2 * L * in_ch * p * D + 2 * T * text_dim * D + 2 * times * freq * D  # patch conv, text, time MLP inputs
+    embed = inputs + 2 * T * D * D + times * (2 * D * D + 2 * D * 6 * D)  # second layers, the 6D time projection
     blocks = layers * (12 * L * D * D + 4 * T * D * D + 4 * L * D * F)
     attention = layers * (4 * L * L * D + 4 * L * T * D)
     output = 2 * L * D * p * out_ch
@@ -249,13 +251,11 @@ class Wan(ModelFamily):
         experts, or TI2V's per-token timesteps) is a ValueError rather than a silently different model."""
         folder = check_components(path, _COMPONENT_FILES, COMPONENTS if components is None else components, "Wan",
                                   _HINT)
-        index = folder / "model_index.json"
-        config = json.loads(index.read_text()) if index.is_file() else {}
-        if config.get("boundary_ratio") is not None or (folder / "transformer_2" / "config.json").is_file() \
-                or config.get("expand_timesteps"):
-            raise ValueError(f"{folder} is a Wan2.2 folder (two experts: boundary_ratio / transformer_2, or TI2V's "
-                             "expand_timesteps), which the wan family does not serve yet: use a Wan2.1 T2V folder "
-                             "(Wan-AI/Wan2.1-T2V-1.3B-Diffusers or -14B-Diffusers); docs/video.md")
+        config = _pipeline_config(folder)
+        if config.get("boundary_ratio") is not None or (folder / "transformer_2" / "config.json").is_file():
+            raise ValueError(f"{folder} is a Wan2.2 two-expert folder (boundary_ratio / transformer_2), which the wan "
+                             "family does not serve yet: use a Wan2.1 T2V folder (Wan-AI/Wan2.1-T2V-14B-Diffusers) "
+                             "or Wan2.2-TI2V-5B; docs/video.md")
         return folder
 
     def transformer_folder(self, path):
@@ -267,15 +267,22 @@ class Wan(ModelFamily):
         from diffusers import WanTransformer3DModel  # heavy
 
         model = build_on_meta(WanTransformer3DModel, self.transformer_folder(path), dtype)
-        keep_attention_dtype(model)
-        return tag(model, self)
+        return self._adapted(model, path)
 
     def load_transformer(self, path, dtype=torch.float32, device="cpu"):
         from diffusers import WanTransformer3DModel  # heavy
 
         model = WanTransformer3DModel.from_pretrained(self.transformer_folder(path), torch_dtype=dtype,
                                                       local_files_only=True).to(device)
+        return self._adapted(model, path)
+
+    def _adapted(self, model: Any, path: Any) -> Any:
+        """The loaded transformer kept in one attention dtype, tagged with this family, and carrying the pipeline's
+        ``expand_timesteps`` (Wan2.2-TI2V-5B: a timestep per video token) as the private config key
+        ``_expand_timesteps`` (diffusers drops ``_`` keys when loading a config, and exports strip them)."""
         keep_attention_dtype(model)
+        if _pipeline_config(_pipeline_folder(path)).get("expand_timesteps"):
+            model.register_to_config(_expand_timesteps=True)
         return tag(model, self)
 
     def vae_class(self):
@@ -350,6 +357,8 @@ class Wan(ModelFamily):
         geometry = shared["geometry"]
         timestep = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device) * NUM_TRAIN_TIMESTEPS
         timestep = timestep.expand(batch) if timestep.ndim == 0 else timestep.reshape(batch)
+        if expands_timesteps(unwrap_model(transformer).config):  # TI2V: every video token at its sample's t
+            timestep = timestep[:, None].expand(batch, latents.shape[1])
         x = unpack_video(latents, geometry)
         if not torch.is_autocast_enabled(latents.device.type):
             dtype = model_dtype(transformer)
@@ -391,7 +400,8 @@ class Wan(ModelFamily):
                                               device=device, dtype=dtype),
                     encoder_hidden_states=torch.empty(batch, text_tokens, config_get(config, "text_dim"),
                                                       device=device, dtype=dtype),
-                    timestep=torch.empty(batch, device=device, dtype=torch.float32), return_dict=False)
+                    timestep=torch.empty((batch, image_tokens) if expands_timesteps(config) else (batch,),
+                                         device=device, dtype=torch.float32), return_dict=False)
 
     # ------------------------------------------------------------------------------------ device, export
     def prepare_for_device(self, transformer, device, *, param_dtype=None, attention_backend="auto"):
@@ -412,6 +422,32 @@ class Wan(ModelFamily):
         from diffusers import WanTransformer3DModel  # heavy
 
         return WanTransformer3DModel
+
+
+def _pipeline_config(folder: Path) -> dict:
+    """The folder's ``model_index.json`` (the pipeline's config: ``boundary_ratio``, ``expand_timesteps``), or {}."""
+    index = Path(folder) / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def _pipeline_folder(path: Any) -> Path:
+    """The pipeline folder a transformer path belongs to: the path itself, the pipeline around a ``transformer/``
+    folder, or, for a trainer's full fine-tune export (``OUT/final``), the base model its ``training_args.json``
+    names."""
+    folder = Path(path).expanduser()
+    if (folder / "model_index.json").is_file() or not (folder / "config.json").is_file():
+        return folder
+    if (folder.parent / "model_index.json").is_file():
+        return folder.parent
+    args = folder / "training_args.json"
+    base = json.loads(args.read_text()).get("pretrained_model_name_or_path") if args.is_file() else None
+    return Path(base).expanduser() if base else folder
+
+
+def expands_timesteps(config: Any) -> bool:
+    """Whether the transformer of this config takes one timestep per video token (Wan2.2-TI2V-5B's pipeline:
+    ``expand_timesteps``; ``Wan._adapted`` records it in the config)."""
+    return bool(config_get(config, "_expand_timesteps", False))
 
 
 def _fresh_rope_tables(model: Any, device: torch.device | str) -> None:

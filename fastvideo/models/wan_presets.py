@@ -1,6 +1,6 @@
-"""Wan presets: ``wan-tiny`` (a seeded random Wan2.1-layout folder that the stock ``WanPipeline`` loads, built in
-seconds) and ``wan2.1-t2v-14b-config`` (Wan-AI/Wan2.1-T2V-14B-Diffusers' configs without weights, for meta-device
-planning of the 14B transformer at 480 x 832 x 81 frames)."""
+"""Wan presets: ``wan-tiny`` and ``wan22-ti2v-tiny`` (seeded random Wan2.1- and Wan2.2-TI2V-layout folders that the
+stock ``WanPipeline`` loads, built in seconds) and ``wan2.1-t2v-14b-config`` / ``wan2.2-ti2v-5b-config`` (the real
+models' configs without weights, for meta-device planning at 480 x 832 x 81 frames)."""
 from __future__ import annotations
 
 import json
@@ -57,16 +57,49 @@ UNIPC_CONFIG: dict[str, Any] = {"num_train_timesteps": NUM_TRAIN_TIMESTEPS, "flo
                                 "use_flow_sigmas": True, "prediction_type": "flow_prediction", "solver_order": 2}
 WAN21_T2V_14B_TRANSFORMER_PARAMETERS = 14_288_491_584  # build_transformer(write_config(...)) parameters
 
+# Wan2.2-TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers; diffusers' scripts/convert_wan_to_diffusers.py "Wan2.2-TI2V-5B"
+# and vae22_diffusers_config at 58eb52c): a 30-layer 3072-wide transformer on 48 latent channels, the Wan2.2 VAE
+# (16x in space through its 2x2 patchify, 4x in time), flow_shift 5, and the pipeline's expand_timesteps
+WAN22_TI2V_5B_TRANSFORMER_CONFIG: dict[str, Any] = {
+    **WAN21_T2V_14B_TRANSFORMER_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
+    "ffn_dim": 14336, "num_layers": 30,
+}
+WAN22_VAE_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.1570,
+    -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322,
+    0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520,
+    0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
+WAN22_VAE_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165,
+    0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917,
+    0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600,
+    0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+WAN22_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": True,
+    "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_temporal": 4, "scale_factor_spatial": 16,
+    "latents_mean": WAN22_VAE_LATENTS_MEAN, "latents_std": WAN22_VAE_LATENTS_STD,
+}
+TI2V_FLOW_SHIFT = 5.0  # the conversion script's flow_shift for TI2V
+WAN22_TI2V_5B_TRANSFORMER_PARAMETERS = 4_999_787_712  # build_transformer(write_config(..., "ti2v")) parameters
 
-def _model_index() -> dict:
-    """WanPipeline's model_index.json (component -> (library, class)); Wan2.1 has one expert."""
+# The variants a preset can take: (pipeline flags for model_index.json, transformer config, VAE config, flow_shift)
+VARIANTS: dict[str, tuple[dict, dict, dict, float]] = {
+    "wan2.1": ({"boundary_ratio": None, "expand_timesteps": False}, WAN21_T2V_14B_TRANSFORMER_CONFIG,
+               WAN21_VAE_CONFIG, FLOW_SHIFT),
+    "ti2v": ({"boundary_ratio": None, "expand_timesteps": True}, WAN22_TI2V_5B_TRANSFORMER_CONFIG, WAN22_VAE_CONFIG,
+             TI2V_FLOW_SHIFT),
+}
+
+
+def _model_index(variant: str = "wan2.1") -> dict:
+    """WanPipeline's model_index.json (component -> (library, class)) for a ``VARIANTS`` entry; one expert."""
     import diffusers  # heavy
 
     return {
         "_class_name": "WanPipeline",
         "_diffusers_version": diffusers.__version__,
-        "boundary_ratio": None,
-        "expand_timesteps": False,
+        **VARIANTS[variant][0],
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
@@ -76,8 +109,9 @@ def _model_index() -> dict:
     }
 
 
-def _components(p: TinyWan, seed: int) -> dict[str, Any]:
-    """Every model of the tiny folder, each from its own derived seed (eval mode)."""
+def _components(p: TinyWan, seed: int, variant: str = "wan2.1") -> dict[str, Any]:
+    """Every model of the tiny folder, each from its own derived seed (eval mode); ``variant``'s latent channels
+    and VAE layout (TI2V: 48 channels, the residual 2x2-patchified VAE)."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel  # heavy
     from transformers import UMT5Config, UMT5EncoderModel  # heavy
 
@@ -87,7 +121,8 @@ def _components(p: TinyWan, seed: int) -> dict[str, Any]:
     seeded("transformer")
     transformer = WanTransformer3DModel(
         patch_size=PATCH, num_attention_heads=p.num_attention_heads, attention_head_dim=p.attention_head_dim,
-        in_channels=16, out_channels=16, text_dim=p.text_dim, freq_dim=p.freq_dim, ffn_dim=p.ffn_dim,
+        in_channels=VARIANTS[variant][1]["in_channels"], out_channels=VARIANTS[variant][1]["out_channels"],
+        text_dim=p.text_dim, freq_dim=p.freq_dim, ffn_dim=p.ffn_dim,
         num_layers=p.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
         rope_max_seq_len=1024).eval()
     # As in tiny.py: a trained model's timestep and text embeddings are large; at default init sigma and the prompt
@@ -99,7 +134,10 @@ def _components(p: TinyWan, seed: int) -> dict[str, Any]:
             layer.weight.mul_(gain)
             layer.bias.mul_(gain)
     seeded("vae")
-    vae = AutoencoderKLWan(**{**WAN21_VAE_CONFIG, "base_dim": p.vae_base_dim, "num_res_blocks": 1}).eval()
+    vae_config = VARIANTS[variant][2]
+    vae = AutoencoderKLWan(**{**vae_config, "base_dim": p.vae_base_dim, "num_res_blocks": 1,
+                              **({"decoder_base_dim": p.vae_base_dim} if "decoder_base_dim" in vae_config else {})})
+    vae = vae.eval()
     seeded("text_encoder")
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=tiny.T5_VOCAB_SIZE, d_model=p.text_dim, d_kv=8, d_ff=2 * p.text_dim, num_layers=2, num_heads=4,
@@ -109,17 +147,17 @@ def _components(p: TinyWan, seed: int) -> dict[str, Any]:
     return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
 
 
-def _write_tiny(tmp: Path, seed: int) -> None:
+def _write_tiny(tmp: Path, seed: int, variant: str = "wan2.1", preset: str = "wan-tiny") -> None:
     from diffusers import UniPCMultistepScheduler  # heavy
 
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
-        parts = _components(TINY, seed)
+        parts = _components(TINY, seed, variant)
     for name, module in parts.items():
         module.save_pretrained(tmp / name, safe_serialization=True)
-    UniPCMultistepScheduler(**UNIPC_CONFIG).save_pretrained(tmp / "scheduler")
+    UniPCMultistepScheduler(**{**UNIPC_CONFIG, "flow_shift": VARIANTS[variant][3]}).save_pretrained(tmp / "scheduler")
     tiny.save_t5_tokenizer(tmp / "tokenizer")
-    (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2, sort_keys=True) + "\n")
-    info = {"preset": "wan-tiny", "family": Wan.name, "seed": seed, "sizes": asdict(TINY)}
+    (tmp / "model_index.json").write_text(json.dumps(_model_index(variant), indent=2, sort_keys=True) + "\n")
+    info = {"preset": preset, "family": Wan.name, "seed": seed, "sizes": asdict(TINY)}
     (tmp / tiny.INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
@@ -129,23 +167,30 @@ def build_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     return tiny.write_atomically(out_dir, lambda tmp: _write_tiny(tmp, int(seed)))
 
 
-def _write_config_folder(tmp: Path) -> None:
-    """Save Wan2.1-T2V-14B's configs (no weights) into ``tmp``; the models are instantiated on the meta device."""
+def build_tiny_ti2v(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A seeded tiny Wan2.2-TI2V-layout folder: 48 latent channels, the residual VAE that patchifies 2x2 (16x in
+    space: 64 x 64 x 5 frames -> 2 latent frames of 4 x 4 -> 8 tokens), ``expand_timesteps`` in the pipeline."""
+    return tiny.write_atomically(out_dir, lambda tmp: _write_tiny(tmp, int(seed), "ti2v", "wan22-ti2v-tiny"))
+
+
+def _write_config_folder(tmp: Path, variant: str = "wan2.1", preset: str = "wan2.1-t2v-14b-config",
+                         source: str = "Wan-AI/Wan2.1-T2V-14B-Diffusers") -> None:
+    """Save a real Wan model's configs (no weights) into ``tmp``; the models are instantiated on the meta device."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel  # heavy
     from transformers import UMT5Config  # heavy
 
+    _, transformer_config, vae_config, shift = VARIANTS[variant]
     with torch.device("meta"):
-        WanTransformer3DModel(**WAN21_T2V_14B_TRANSFORMER_CONFIG).save_config(tmp / "transformer")
-        AutoencoderKLWan(**WAN21_VAE_CONFIG).save_config(tmp / "vae")
+        WanTransformer3DModel(**transformer_config).save_config(tmp / "transformer")
+        AutoencoderKLWan(**vae_config).save_config(tmp / "vae")
     UMT5Config(**UMT5_XXL_CONFIG).save_pretrained(tmp / "text_encoder")
-    UniPCMultistepScheduler(**UNIPC_CONFIG).save_pretrained(tmp / "scheduler")
+    UniPCMultistepScheduler(**{**UNIPC_CONFIG, "flow_shift": shift}).save_pretrained(tmp / "scheduler")
     tiny.save_t5_tokenizer(tmp / "tokenizer")
     (tmp / "tokenizer" / "README.txt").write_text(
         f"NOT Wan's UMT5 tokenizer: the small {tiny.T5_VOCAB_SIZE}-piece stand-in of fastvideo.tiny (the real one, "
         "google/umt5-xxl's, is not available offline); do not use it to encode real prompts.\n")
-    (tmp / "model_index.json").write_text(json.dumps(_model_index(), indent=2, sort_keys=True) + "\n")
-    info = {"preset": "wan2.1-t2v-14b-config", "family": Wan.name, "weights": False,
-            "source": "Wan-AI/Wan2.1-T2V-14B-Diffusers (configs only)",
+    (tmp / "model_index.json").write_text(json.dumps(_model_index(variant), indent=2, sort_keys=True) + "\n")
+    info = {"preset": preset, "family": Wan.name, "weights": False, "source": f"{source} (configs only)",
             "tokenizer": f"stand-in: fastvideo.tiny T5 tokenizer with {tiny.T5_VOCAB_SIZE} pieces"}
     (tmp / tiny.INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
@@ -154,3 +199,10 @@ def write_config(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write Wan2.1-T2V-14B's diffusers layout with its real configs and no weights (``seed`` is ignored): for
     meta-device planning without the download. Atomic; FileExistsError if non-empty."""
     return tiny.write_atomically(out_dir, _write_config_folder)
+
+
+def write_config_ti2v(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Wan2.2-TI2V-5B's diffusers layout with its real configs (the 48-channel VAE, expand_timesteps) and no
+    weights, as ``write_config``."""
+    return tiny.write_atomically(out_dir, lambda tmp: _write_config_folder(tmp, "ti2v", "wan2.2-ti2v-5b-config",
+                                                                           "Wan-AI/Wan2.2-TI2V-5B-Diffusers"))

@@ -1,0 +1,117 @@
+"""Wan2.2 in the Wan family (fastvideo/models/wan.py) against the stock diffusers WanPipeline on the seeded tiny
+presets: TI2V-5B's layout (``wan22-ti2v-tiny``: the 48-channel VAE that patchifies 2x2, a timestep per video token
+under the pipeline's ``expand_timesteps``) sampled with CFG against the pipeline with the Euler scheduler, its VAE
+round trip, its FLOP formula against torch's counter, and the real 5B config's size."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fastvideo import flops, models
+from fastvideo.models import wan, wan_presets
+
+PROMPTS = ["a red cube rolling on a wooden table", "a cat jumping over a fence"]
+TEXT_TOKENS = 32
+H = W = 64
+FRAMES = 5
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory):
+    """The tiny TI2V folder, the stock pipeline with the Euler scheduler on its flow_shift, and the adapter's loads."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    folder = wan_presets.build_tiny_ti2v(tmp_path_factory.mktemp("tiny-ti2v") / "model", seed=0)
+    family = models.resolve("auto", folder)
+    pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    pipe.set_progress_bar_config(disable=True)
+    return {"folder": folder, "family": family, "pipe": pipe, "enc": family.load_text_encoders(folder),
+            "transformer": family.load_transformer(folder), "vae": family.load_vae(folder),
+            "geometry": family.latent_geometry(folder, H, W, FRAMES)}
+
+
+def test_the_ti2v_layout_loads_with_a_timestep_per_token(ti2v, tmp_path):
+    family, pipe, geometry = ti2v["family"], ti2v["pipe"], ti2v["geometry"]
+    assert isinstance(family, wan.Wan) and pipe.config.expand_timesteps and pipe.transformer_2 is None
+    assert pipe.vae.config.z_dim == 48 and pipe.vae.config.scale_factor_spatial == 16
+    assert pipe.scheduler.config.shift == wan_presets.TI2V_FLOW_SHIFT == 5.0  # the Euler scheduler on its shift
+    assert models.read_scheduler_config(ti2v["folder"])["flow_shift"] == 5.0
+    assert wan.expands_timesteps(ti2v["transformer"].config)
+    # a transformer/ folder inside the pipeline's is tagged from the pipeline's model_index.json too
+    assert wan.expands_timesteps(family.build_transformer(ti2v["folder"] / "transformer").config)
+    # 16x in space (the VAE's 2x2 patchify x 8), then the transformer's 2x2 patches: 32-pixel multiples
+    assert geometry.latent_shape == (48, 2, 4, 4) and geometry.packed_shape == (2 * 2 * 2, 192)
+    with pytest.raises(ValueError, match=r"multiple of 32 .*--h 32 or 64"):
+        family.latent_geometry(ti2v["folder"], 48, W, FRAMES)
+    real = wan_presets.write_config_ti2v(tmp_path / "ti2v-5b")
+    model = family.build_transformer(real, torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == wan_presets.WAN22_TI2V_5B_TRANSFORMER_PARAMETERS
+    assert wan.expands_timesteps(model.config)
+    # its native 704 x 1280 x 121 frames: 31 latent frames of 22 x 40 patches
+    assert family.latent_geometry(real, 704, 1280, 121).seq_len == 31 * 22 * 40
+    kwargs = family.example_inputs(model.config, 2, 64, TEXT_TOKENS, torch.bfloat16, "meta")
+    assert kwargs["timestep"].shape == (2, 64)  # the planner traces the per-token modulation
+
+
+def test_adapter_euler_cfg_loop_equals_the_stock_pipeline(ti2v):
+    family, pipe, geometry, steps, scale = ti2v["family"], ti2v["pipe"], ti2v["geometry"], 3, 5.0
+    noise = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        videos = pipe(PROMPTS, negative_prompt="", latents=wan.unpack_video(noise, geometry),
+                      num_inference_steps=steps, guidance_scale=scale, output_type="pt", height=H, width=W,
+                      num_frames=FRAMES, max_sequence_length=TEXT_TOKENS).frames
+        cond, _ = family.encode_prompts(ti2v["enc"], PROMPTS, TEXT_TOKENS)
+        uncond, _ = family.encode_prompts(ti2v["enc"], [family.defaults.negative_prompt] * 2, TEXT_TOKENS)
+        rows = {"prompt_embeds": torch.cat([cond["prompt_embeds"], uncond["prompt_embeds"]])}
+        shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
+        sigmas, x = family.sigmas(steps, geometry.seq_len, models.read_scheduler_config(ti2v["folder"])), noise
+        for i in range(steps):
+            v_cond, v_uncond = family.predict_velocity(ti2v["transformer"], torch.cat([x, x]), sigmas[i], rows,
+                                                       shared).chunk(2)
+            x = x + (sigmas[i + 1] - sigmas[i]) * family.combine_guidance(v_cond, v_uncond, scale)
+        ours = family.decode(ti2v["vae"], x, geometry, micro_batch=2)
+    diff = (ours - videos).abs().max().item() * 255
+    print(f"sampling max |diff| x 255 = {diff:.3g}")
+    assert ours.shape == videos.shape == (2, FRAMES, 3, H, W)
+    assert diff < 1
+    assert (videos[0] - videos[1]).abs().mean() > 0.02  # the prompt changes the video
+    # the per-token timestep is what the pipeline passes: a scalar one differs in the last bits at most
+    x0 = noise[:1]
+    one = {"prompt_embeds": cond["prompt_embeds"][:1]}
+    with torch.no_grad():
+        per_token = family.predict_velocity(ti2v["transformer"], x0, torch.tensor(0.6), one, shared)
+        scalar_model = copy.deepcopy(ti2v["transformer"])
+        scalar_model.register_to_config(_expand_timesteps=False)
+        scalar = family.predict_velocity(scalar_model, x0, torch.tensor(0.6), one, shared)
+    assert torch.allclose(per_token, scalar, atol=1e-4)
+
+
+def test_the_48_channel_vae_round_trip(ti2v):
+    family, vae, geometry = ti2v["family"], ti2v["vae"], ti2v["geometry"]
+    videos = torch.rand(2, FRAMES, 3, H, W, generator=torch.Generator().manual_seed(1))
+    latents = family.encode(vae, videos, geometry)
+    assert latents.shape == (2, 8, 192) and latents.dtype == torch.float32
+    with torch.no_grad():
+        z = vae.encode(videos.permute(0, 2, 1, 3, 4) * 2 - 1).latent_dist.mode()
+    mean = torch.tensor(vae.config.latents_mean).view(1, 48, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 48, 1, 1, 1)
+    assert torch.allclose(wan.unpack_video(latents, geometry), (z - mean) / std, atol=1e-5)
+    decoded = family.decode(vae, latents, geometry)
+    assert decoded.shape == (2, FRAMES, 3, H, W) and 0 <= decoded.min() and decoded.max() <= 1
+
+
+def test_ti2v_flops_equal_the_counter(ti2v):
+    family, geometry = ti2v["family"], ti2v["geometry"]
+    model = copy.deepcopy(ti2v["transformer"]).requires_grad_(True)
+    batch, L = 2, geometry.seq_len
+    x = torch.randn(batch, *geometry.packed_shape)
+    cond = {"prompt_embeds": torch.randn(batch, TEXT_TOKENS, 32)}
+    shared = family.conditioning(geometry, cond, None, torch.device("cpu"))
+    with torch.no_grad():
+        counted = flops.counted_flops(lambda: family.predict_velocity(model, x, torch.tensor(0.5), cond, shared))
+    assert counted == family.transformer_flops(model.config, L, TEXT_TOKENS, batch)
+    plain = {k: v for k, v in model.config.items() if k != "_expand_timesteps"}
+    assert family.transformer_flops(plain, L, TEXT_TOKENS, batch) < counted  # the time MLP per token counts
