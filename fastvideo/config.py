@@ -338,7 +338,7 @@ def check_model_inputs(args: argparse.Namespace) -> None:
     --lora_target_modules entry names a layer of the transformer (checked on a meta-device build). A component
     folder that is absent is left to its loader."""
     model = Path(args.pretrained_model_name_or_path)
-    for component in ("transformer", "vae"):
+    for component in ("transformer", "transformer_2", "vae"):  # transformer_2: Wan2.2-A14B's second expert
         if (model / component).is_dir():
             weights.check_weight_files(model / component)
     if args.lora_rank > 0 and args.lora_target_modules and (model / "transformer" / "config.json").is_file():
@@ -380,6 +380,13 @@ def validate_common(args: argparse.Namespace) -> None:
          f"--lr_warmup_steps {args.lr_warmup_steps} does nothing with --lr_scheduler constant; use "
          "--lr_scheduler constant_with_warmup (the default) or drop --lr_warmup_steps")
     need(args.lora_rank >= 0, f"--lora_rank must be >= 0 (0 = full fine-tune), got {args.lora_rank}")
+    experts = (model / "transformer_2" / "config.json").is_file()
+    need(args.train_experts == "both" or experts,
+         f"--train_experts {args.train_experts} picks one of Wan2.2-A14B's two experts, but {model} has one "
+         "transformer: drop the flag")
+    need(args.train_experts == "both" or args.lora_rank == 0,
+         f"--train_experts {args.train_experts}: LoRA trains both experts (their adapters are small); pass "
+         "--lora_rank 0 for a full fine-tune of one expert, or drop the flag")
     check_model_inputs(args)
     check_parallel_inputs(args)
     if hasattr(args, "gradient_sync"):

@@ -272,6 +272,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return out.to(tensor.device)
 
 
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """In place: the element-wise maximum of ``tensor`` (on the group's device) over all ranks, queued on the device
+    with no host read: what every rank must agree on before a collective-bearing step (e.g. which of Wan2.2-A14B's
+    experts any rank runs: a maximum of 0/1 flags); the caller reads it once with the rest of its host values."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def all_reduce_max(value: float) -> float:
     """Maximum of a Python number over ranks."""
     return max(all_gather_object(value))

@@ -266,8 +266,10 @@ def save_lora_for_diffusers(
     fp32). Rank 0 writes ``pytorch_lora_weights.safetensors``; returns ``out_dir``.
     """
     out_dir = Path(out_dir)
+    parts = {"": ""}
     if isinstance(state_dict_or_model, nn.Module):
         family = family or models.family_of(state_dict_or_model)
+        parts = family.transformer_parts(state_dict_or_model)
         config = lora_config(state_dict_or_model, adapter_name) if config is None else config
         state_dict = lora_state_dict(state_dict_or_model, adapter_name)
     else:
@@ -290,28 +292,45 @@ def save_lora_for_diffusers(
         metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
     cast_floating_(state_dict, dtype)
     pipeline = (family or models.resolve("auto")).pipeline_class()
-    pipeline.save_lora_weights(out_dir, transformer_lora_layers={k: v.contiguous() for k, v in state_dict.items()},
-                               transformer_lora_adapter_metadata=metadata, safe_serialization=True)
+    for folder, part in _split_parts(state_dict, parts, out_dir).items():  # Wan2.2-A14B: final/ and final/transformer_2
+        pipeline.save_lora_weights(folder, transformer_lora_layers={k: v.contiguous() for k, v in part.items()},
+                                   transformer_lora_adapter_metadata=metadata, safe_serialization=True)
     return out_dir
+
+
+def _split_parts(state_dict: dict[str, torch.Tensor], parts: dict[str, str], out_dir: Path
+                 ) -> dict[Path, dict[str, torch.Tensor]]:
+    """The export folder of each part of a model (``ModelFamily.transformer_parts``: subfolder -> key prefix) with
+    its tensors, the prefix removed; parts without tensors are left out."""
+    split = {}
+    for sub, prefix in parts.items():
+        part = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if part:
+            split[out_dir / sub if sub else out_dir] = part
+    return split
 
 
 def load_lora_from_diffusers(model: nn.Module, lora_dir: str | Path, adapter_name: str = "default") -> nn.Module:
     """Add the LoRA of a diffusers LoRA folder (``save_lora_for_diffusers``'s, or any folder the family's pipeline
     ``load_lora_weights`` takes) to the transformer the way that pipeline's ``load_lora_weights`` does (alpha from its
     metadata); ValueError for LoRA weights of other components (prompts are encoded without them)."""
-    pipeline = models.family_of(model).pipeline_class()
+    family = models.family_of(model)
+    pipeline = family.pipeline_class()
     # FLUX.1's loader also returns network alphas; SD3's, Qwen-Image's and FLUX.2's keep alpha in the metadata only
     with_alphas = "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters
-    loaded = pipeline.lora_state_dict(str(lora_dir), return_lora_metadata=True,
-                                      **({"return_alphas": True} if with_alphas else {}))
-    state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
-    others = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
-    if others:
-        raise ValueError(f"{lora_dir} also holds LoRA weights for {', '.join(others)}; sample.py applies only a "
-                         "transformer LoRA (the trainers' export)")
-    extra = {"network_alphas": alphas} if with_alphas else {}
-    pipeline.load_lora_into_transformer(state_dict, transformer=model, adapter_name=adapter_name, metadata=metadata,
-                                        **extra)
+    for sub, prefix in family.transformer_parts(model).items():  # Wan2.2-A14B: each expert from its folder
+        folder = Path(lora_dir) / sub if sub else Path(lora_dir)
+        loaded = pipeline.lora_state_dict(str(folder), return_lora_metadata=True,
+                                          **({"return_alphas": True} if with_alphas else {}))
+        state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
+        others = sorted({k.split(".")[0] for k in state_dict if not k.startswith("transformer.")})
+        if others:
+            raise ValueError(f"{folder} also holds LoRA weights for {', '.join(others)}; sample.py applies only a "
+                             "transformer LoRA (the trainers' export)")
+        extra = {"network_alphas": alphas} if with_alphas else {}
+        part = model.get_submodule(prefix[:-1]) if prefix else model
+        pipeline.load_lora_into_transformer(state_dict, transformer=part, adapter_name=adapter_name,
+                                            metadata=metadata, **extra)
     return model
 
 
@@ -332,8 +351,10 @@ def save_transformer_for_diffusers(
     peaks at the gathered model plus one tensor. Rank 0 writes config.json + safetensors; returns ``out_dir``.
     """
     out_dir = Path(out_dir)
+    parts = {"": ""}
     if isinstance(state_dict_or_model, nn.Module):
         family = family or models.family_of(state_dict_or_model)
+        parts = family.transformer_parts(state_dict_or_model)
         config = unwrap_model(state_dict_or_model).config if config is None else config
         state_dict = full_state_dict(state_dict_or_model, dtype=dtype)
     else:
@@ -348,8 +369,9 @@ def save_transformer_for_diffusers(
                          "transformer export expects a model without adapters)")
     cast_floating_(state_dict, dtype)
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
-    with torch.device("meta"):
-        model = (family or models.resolve("auto")).transformer_class().from_config(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    for folder, part in _split_parts(state_dict, parts, out_dir).items():  # Wan2.2-A14B: one folder per expert
+        with torch.device("meta"):
+            model = (family or models.resolve("auto")).transformer_class().from_config(config)
+        model.load_state_dict(part, strict=True, assign=True)
+        model.save_pretrained(folder, safe_serialization=True)
     return out_dir

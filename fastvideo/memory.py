@@ -30,7 +30,7 @@ from fastvideo.devices import ACCELERATOR_TYPES, compute_dtype
 from fastvideo.losses import POLICY_LOSS_TABLE
 from fastvideo.options import opt
 from fastvideo.parallel import block_classes, memory_flag_problems, resolve_gradient_sync
-from fastvideo.policy import nft_uses_old_policy
+from fastvideo.policy import nft_uses_old_policy, train_only_experts
 from fastvideo.rewards import parse_eval_reward_spec, parse_reward_spec
 
 GiB = 2**30
@@ -202,7 +202,9 @@ def _structure(model: torch.nn.Module) -> tuple:
 
 def transformer_activation_bytes(model: torch.nn.Module, batch: int, image_tokens: int, text_tokens: int,
                                  dtype: torch.dtype, *, train: bool) -> int:
-    """``_activation_bytes`` of ``model``, remembered by its structure and the sizes (``_TRACE_MEMO``)."""
+    """``_activation_bytes`` of ``model`` (the part one velocity call runs: ``ModelFamily.traced_transformer``),
+    remembered by its structure and the sizes (``_TRACE_MEMO``)."""
+    model = models.family_of(model).traced_transformer(model)
     key = (_structure(model), batch, image_tokens, text_tokens, dtype, train)
     if key not in _TRACE_MEMO:
         _TRACE_MEMO[key] = _activation_bytes(model, batch, image_tokens, text_tokens, dtype, train=train)
@@ -469,6 +471,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     c = torch.empty((), dtype=cdt).element_size()  # bytes per element in compute
     family = models.family_for(args)
     model = family.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+    train_only_experts(model, args)  # Wan2.2-A14B's --train_experts: the frozen expert counts as parameters only
     is_lora = args.lora_rank > 0
     if is_lora:
         lora.add_lora(model, rank=args.lora_rank, alpha=args.lora_alpha or args.lora_rank,

@@ -123,6 +123,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     """
     family = models.family_for(args)
     transformer = family.build_transformer(args.pretrained_model_name_or_path, dtype=torch.float32)
+    train_only_experts(transformer, args)
     config = dict(transformer.config)
     is_lora = args.lora_rank > 0
     adapter_init = {}
@@ -142,7 +143,7 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
                         cpu_offload=args.use_cpu_offload, compile=args.compile, sp_size=args.sp_size)
     transformer = parallel.shard_model(transformer, gradient_checkpointing=args.gradient_checkpointing,
                                        **shard_kwargs)
-    folder = family.transformer_folder(args.pretrained_model_name_or_path)
+    folder = family.weight_folders(args.pretrained_model_name_or_path)
     weights.load_safetensors_into(transformer, folder, skip=adapter_init.__contains__)
     if adapter_init:
         weights.fill_local_shards(transformer, adapter_init)
@@ -172,6 +173,14 @@ def build_policy(args: argparse.Namespace, device: torch.device, *, need_referen
     snapshot = EMA(transformer, decay=0.0, warmup=False) if ref_snapshot else None
     return Policy(model=transformer, is_lora=is_lora, frozen_ref=frozen_ref, ema=ema, config=config,
                   ref_snapshot=snapshot, old=old)
+
+
+def train_only_experts(transformer: torch.nn.Module, args: argparse.Namespace) -> None:
+    """--train_experts high|low: freeze the other of Wan2.2-A14B's experts (``WanExperts.train_only``), before
+    any adapter or optimizer sees the parameters (the planner does the same)."""
+    which = getattr(args, "train_experts", "both")
+    if which != "both":
+        transformer.train_only(which)
 
 
 def _fsdp_precision(mixed_precision: str, device: torch.device) -> str:
@@ -253,6 +262,9 @@ class LoRAOptions:
     lora_alpha: float | None = opt(None, "LoRA alpha (default: equal to the rank)")
     lora_target_modules: list[str] | None = opt(
         None, "module names to adapt (default: FLUX attention + feed-forward projections)", nargs="+")
+    train_experts: str = opt("both", "Wan2.2-A14B: the experts a full fine-tune trains: both, high (transformer, "
+                                     "t >= the boundary) or low (transformer_2); the other stays frozen. LoRA trains "
+                                     "both", choices=("both", "high", "low"))
 
 
 def nft_uses_old_policy(args: argparse.Namespace) -> bool:

@@ -530,6 +530,10 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
                         "a tiny Wan2.2-TI2V layout (48-channel VAE, a timestep per token) at 64px x 5 frames"),
     "wan2.2-ti2v-5b-config": ("fastvideo.models.wan_presets:write_config_ti2v",
                               "Wan2.2-TI2V-5B's real configs, no weights"),
+    "wan22-a14b-tiny": ("fastvideo.models.wan_presets:build_tiny_a14b",
+                        "a tiny Wan2.2-T2V-A14B layout (two experts switched at the boundary) at 64px x 5 frames"),
+    "wan2.2-t2v-a14b-config": ("fastvideo.models.wan_presets:write_config_a14b",
+                               "Wan2.2-T2V-A14B's real configs (two 14B experts), no weights"),
 }
 write_atomically = _write_atomically  # the family modules' builders use it
 

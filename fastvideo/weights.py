@@ -20,7 +20,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -265,15 +265,18 @@ def _fsdp1_pieces(model: nn.Module) -> Iterator[LocalPiece]:
 
 
 @torch.no_grad()
-def load_safetensors_into(model: nn.Module, folder: str | os.PathLike,
+def load_safetensors_into(model: nn.Module, folder: str | os.PathLike | Mapping[str, str | os.PathLike],
                           skip: Callable[[str], bool] = lambda name: False) -> int:
     """Fill this rank's part of every parameter and buffer from the safetensors of ``folder``; returns the bytes read.
+    ``folder`` may map state-dict key prefixes to folders (a model of several parts: ``ModelFamily.weight_folders``).
 
     Strict like ``from_pretrained``: every tensor not ``skip``-ped (e.g. LoRA adapters, which the file lacks) must be
     in the files with the same shape, and every tensor of the files must belong to the model. Values are cast to the
     model's dtype (bf16 file -> fp32 master weights is exact). Works on a plain, FSDP2 or FSDP1 model.
     """
-    index = safetensors_index(folder)
+    folders = folder if isinstance(folder, Mapping) else {"": folder}
+    index = {prefix + name: record for prefix, part in folders.items()
+             for name, record in safetensors_index(part).items()}
     pieces = [p for p in local_pieces(model) if not skip(p.name)]
     for piece in pieces:  # peft wraps adapted layers: "x.to_q.base_layer.weight" is the file's "x.to_q.weight"
         piece.name = piece.name.replace(".base_layer.", ".")

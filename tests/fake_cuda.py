@@ -94,7 +94,14 @@ ALLOWED_SYNCS: dict[str, str] = {
         "once per optimizer step: the total gradient norm decides whether the update is skipped (non-finite)",
     "fastvideo/parallel.py:full_state_dict":
         "checkpoint/export only: the gathered state dict (the LoRA export's too) is copied to the CPU",
+    "fastvideo/models/wan_experts.py:WanExperts.forward":
+        "Wan2.2-A14B only, once per velocity call: the rows of each expert (and which experts any rank runs) come to "
+        "the host to split the batch; exempt from the loops' budgets below (ROUTING_SYNCS)",
 }
+# Sites whose one sync per transformer call does not count against the loops' budgets: Wan2.2-A14B's expert routing
+# (every rank must run the same experts under FSDP, and the batch is split by rows; fastvideo/models/wan_experts.py).
+# Nothing else is exempt; a second sync per call at the site still shows in the report.
+ROUTING_SYNCS = ("fastvideo/models/wan_experts.py:WanExperts.forward",)
 
 # Per-iteration host-sync budgets of the hot loops (docs/design.md principle 9).
 SAMPLING_STEP_SYNC_BUDGET = 1
@@ -1197,7 +1204,7 @@ def _budget(report: dict, loop: str) -> list[str]:
     """Iterations of ``loop`` with more host syncs than its budget (``report["loops"]``)."""
     budget, bad = report["loops"][loop], []
     for (path, iteration), found in sorted(_syncs_per_iteration(report, loop).items()):
-        total = sum(f["count"] for f in found)
+        total = sum(f["count"] for f in found if f["site_key"] not in ROUTING_SYNCS)
         if total > budget:
             sites = "; ".join(f"{f['site']} {f['op']} x{f['count']} ({f['detail']})" for f in found)
             bad.append(f"{path} {iteration}: {total} host syncs > {budget}: {sites}")

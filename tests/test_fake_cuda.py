@@ -43,10 +43,12 @@ def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> 
 # 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,
 # rewarded over frames, and adds its SP 2 path. Sequence parallelism is FLUX.1's and Wan's (the other families refuse
 # --sp_size > 1 before loading: test_sequence_parallel.py).
-FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny", "wan22-ti2v-tiny")
+FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny", "wan22-ti2v-tiny",
+                  "wan22-a14b-tiny")
 # a family's own trace flags: Wan's 5-frame videos (rewarded over frames) and its SP 2 path over the video tokens
 # (Wan2.2-TI2V's: its per-token timesteps split with the tokens)
-FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2") for preset in ("wan-tiny", "wan22-ti2v-tiny")}
+FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2")
+                for preset in ("wan-tiny", "wan22-ti2v-tiny", "wan22-a14b-tiny")}
 # LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
 VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 

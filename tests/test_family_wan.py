@@ -68,12 +68,12 @@ def test_stock_pipeline_loads_the_tiny_folder_and_auto_finds_wan(tiny_wan, pipe,
     (broken / "transformer").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="wan-tiny"):
         family.check_folder(broken)
-    a14b = tmp_path / "a14b"  # a Wan2.2 A14B layout: refused, not trained as its high-noise expert alone
-    shutil.copytree(tiny_wan, a14b)
-    index = json.loads((a14b / "model_index.json").read_text())
-    (a14b / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
-    with pytest.raises(ValueError, match="Wan2.2 two-expert folder .* Wan2.1 T2V folder"):
-        family.check_folder(a14b)
+    half = tmp_path / "half-a14b"  # boundary_ratio without transformer_2/: refused, not trained as one expert
+    shutil.copytree(tiny_wan, half)
+    index = json.loads((half / "model_index.json").read_text())
+    (half / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
+    with pytest.raises(ValueError, match="boundary_ratio is 0.875 but transformer_2/ is missing"):
+        family.check_folder(half)
 
 
 def test_encode_prompts_equals_the_pipelines_encode_prompt(pipe, parts, family):

@@ -5,6 +5,7 @@ round trip, its FLOP formula against torch's counter, and the real 5B config's s
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -115,3 +116,144 @@ def test_ti2v_flops_equal_the_counter(ti2v):
     assert counted == family.transformer_flops(model.config, L, TEXT_TOKENS, batch)
     plain = {k: v for k, v in model.config.items() if k != "_expand_timesteps"}
     assert family.transformer_flops(plain, L, TEXT_TOKENS, batch) < counted  # the time MLP per token counts
+
+
+# ------------------------------------------------------------------------------------------------ Wan2.2-T2V-A14B
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory):
+    """The tiny two-expert folder, the stock pipeline with the Euler scheduler, and the adapter's loads."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    folder = wan_presets.build_tiny_a14b(tmp_path_factory.mktemp("tiny-a14b") / "model", seed=0)
+    family = models.resolve("auto", folder)
+    pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
+    pipe.set_progress_bar_config(disable=True)
+    return {"folder": folder, "family": family, "pipe": pipe, "enc": family.load_text_encoders(folder),
+            "transformer": family.load_transformer(folder), "vae": family.load_vae(folder),
+            "geometry": family.latent_geometry(folder, H, W, FRAMES)}
+
+
+def _cfg_loop(family, transformer, enc, geometry, noise, steps, scale, folder):
+    cond, _ = family.encode_prompts(enc, PROMPTS, TEXT_TOKENS)
+    uncond, _ = family.encode_prompts(enc, [family.defaults.negative_prompt] * 2, TEXT_TOKENS)
+    rows = {"prompt_embeds": torch.cat([cond["prompt_embeds"], uncond["prompt_embeds"]])}
+    shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
+    sigmas, x = family.sigmas(steps, geometry.seq_len, models.read_scheduler_config(folder)), noise
+    for i in range(steps):
+        v_cond, v_uncond = family.predict_velocity(transformer, torch.cat([x, x]), sigmas[i], rows, shared).chunk(2)
+        x = x + (sigmas[i + 1] - sigmas[i]) * family.combine_guidance(v_cond, v_uncond, scale)
+    return x, sigmas
+
+
+def test_a14b_sampling_switches_experts_as_the_stock_pipeline(a14b):
+    """4 steps on the shift-3 grid (timesteps 1000, 858, 602, 9): the first, at or above the boundary (875), runs
+    ``transformer``, the others ``transformer_2``; the videos equal WanPipeline's (guidance_scale_2 =
+    guidance_scale, its default)."""
+    family, pipe, geometry, steps, scale = a14b["family"], a14b["pipe"], a14b["geometry"], 4, 5.0
+    noise = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(0))
+    calls = []
+    for name in ("transformer", "transformer_2"):
+        getattr(a14b["transformer"], name).register_forward_pre_hook(
+            lambda m, a, k, name=name: calls.append((name, float(k["timestep"][0]))), with_kwargs=True)
+    with torch.no_grad():
+        videos = pipe(PROMPTS, negative_prompt="", latents=wan.unpack_video(noise, geometry),
+                      num_inference_steps=steps, guidance_scale=scale, output_type="pt", height=H, width=W,
+                      num_frames=FRAMES, max_sequence_length=TEXT_TOKENS).frames
+        x, sigmas = _cfg_loop(family, a14b["transformer"], a14b["enc"], geometry, noise, steps, scale,
+                              a14b["folder"])
+        ours = family.decode(a14b["vae"], x, geometry, micro_batch=2)
+    expected = ["transformer" if float(s) * 1000 >= 875 else "transformer_2" for s in sigmas[:-1]]
+    assert [name for name, _ in calls] == expected == ["transformer"] + ["transformer_2"] * 3, calls
+    diff = (ours - videos).abs().max().item() * 255
+    print(f"sampling max |diff| x 255 = {diff:.3g}")
+    assert diff < 1
+    # one expert alone would sample other videos: the switch matters
+    with torch.no_grad():
+        alone, _ = _cfg_loop(family, a14b["transformer"].transformer, a14b["enc"], geometry, noise, steps, scale,
+                             a14b["folder"])
+    assert (family.decode(a14b["vae"], alone, geometry) - videos).abs().max() > 0.02
+
+
+def test_a14b_routes_each_sample_by_its_timestep(a14b):
+    """A batch that mixes both sides of the boundary (the boundary itself is high noise, as the pipeline's
+    ``t >= boundary_timestep``) equals each sample through its own expert, in the batch's order."""
+    model, geometry = a14b["transformer"], a14b["geometry"]
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 16, *geometry.latent_shape[1:], generator=generator)
+    text = torch.randn(4, TEXT_TOKENS, 32, generator=generator)
+    t = torch.tensor([500.0, 875.0, 874.9, 990.0])
+    with torch.no_grad():
+        out = model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        for i, expert in enumerate([model.transformer_2, model.transformer, model.transformer_2, model.transformer]):
+            alone = expert(hidden_states=x[i:i + 1], timestep=t[i:i + 1], encoder_hidden_states=text[i:i + 1],
+                           return_dict=False)[0]
+            assert torch.allclose(out[i:i + 1], alone, atol=1e-6), i
+    with pytest.raises(ValueError, match=r"a timestep per sample, shape \(B,\)"):
+        model(hidden_states=x, timestep=t[:, None].expand(4, 8), encoder_hidden_states=text)
+
+
+def test_a14b_exports_load_in_the_stock_pipeline(a14b, tmp_path):
+    """LoRA on both experts exports as final/ (``transformer``) and final/transformer_2/ (``load_lora_weights(...,
+    load_into_transformer_2=True)``); the pipeline with both equals our adapted model, and sample.py's loader reads
+    both back. A full export writes both experts' folders, which ``from_pretrained`` loads."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from fastvideo.lora import add_lora, load_lora_from_diffusers, save_lora_for_diffusers, \
+        save_transformer_for_diffusers
+
+    family, folder, geometry = a14b["family"], a14b["folder"], a14b["geometry"]
+    model = add_lora(family.load_transformer(folder), rank=4, alpha=8, target_modules=list(family.lora_target_modules),
+                     init_seed=0)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    adapted = {n.split(".")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {"transformer", "transformer_2"}
+    out = save_lora_for_diffusers(model, tmp_path / "lora", family=family)
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    assert (out / "transformer_2" / "pytorch_lora_weights.safetensors").is_file()
+    pipeline = WanPipeline.from_pretrained(folder, local_files_only=True)
+    pipeline.load_lora_weights(out)
+    pipeline.load_lora_weights(out / "transformer_2", load_into_transformer_2=True)
+    reloaded = load_lora_from_diffusers(family.load_transformer(folder), out)
+    x = torch.randn(3, *geometry.latent_shape, generator=generator)
+    text = torch.randn(3, TEXT_TOKENS, 32, generator=generator)
+    t = torch.tensor([950.0, 300.0, 880.0])
+    with torch.no_grad():
+        ours = model(hidden_states=x, timestep=t, encoder_hidden_states=text)[0]
+        base = a14b["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=text)[0]
+        for i, expert in enumerate([pipeline.transformer, pipeline.transformer_2, pipeline.transformer]):
+            stock = expert(hidden_states=x[i:i + 1], timestep=t[i:i + 1], encoder_hidden_states=text[i:i + 1],
+                           return_dict=False)[0]
+            assert torch.allclose(stock, ours[i:i + 1], atol=1e-5), i
+        assert torch.allclose(reloaded(hidden_states=x, timestep=t, encoder_hidden_states=text)[0], ours, atol=1e-5)
+    assert (ours - base).abs().max() > 0.05
+
+    full = family.load_transformer(folder)
+    with torch.no_grad():
+        full.transformer_2.proj_out.bias.add_(0.5)
+    save_transformer_for_diffusers(full, None, tmp_path / "full", family=family)
+    high = WanTransformer3DModel.from_pretrained(tmp_path / "full")
+    low = WanTransformer3DModel.from_pretrained(tmp_path / "full" / "transformer_2")
+    assert torch.equal(low.proj_out.bias, full.transformer_2.proj_out.bias)
+    assert torch.equal(high.proj_out.bias, full.transformer.proj_out.bias)
+    assert "_boundary_timestep" not in json.loads((tmp_path / "full" / "config.json").read_text())
+
+
+def test_a14b_routing_under_fsdp_on_two_ranks_that_disagree(a14b):
+    """tests/dist_scripts/experts_checks.py on 2 ranks: rank 0's samples all above the boundary and rank 1's all
+    below (then a mixed batch beside a high-noise one): the FSDP2-sharded LoRA model's outputs equal the unsharded
+    ones and its gradients (FSDP's mean over ranks) equal the two ranks' by-hand mean, in both experts (~8 s)."""
+    from helpers import REPO, run_torchrun
+
+    proc = run_torchrun([str(REPO / "tests" / "dist_scripts" / "experts_checks.py"), str(a14b["folder"])])
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("EXPERTS_CHECKS "))
+    rows = json.loads(line.split(" ", 1)[1])
+    for call, row in rows.items():
+        assert row["experts_with_grad"] == ["transformer", "transformer_2"], (call, row)
+        assert row["output_max_diff"] < 1e-5, (call, row)
+        # fp32 sums of ~1e-2 gradients in another order: ~1e-9 apart (measured 7e-9); mixed shards would be ~1e-2
+        assert row["grad_max"] > 1e-3 and row["grad_max_diff"] < 1e-6, (call, row)

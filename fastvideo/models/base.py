@@ -134,6 +134,21 @@ class ModelFamily:
         """The transformer with its weights, on ``device`` (sampling, small models)."""
         raise self._missing("load_transformer")
 
+    # A "transformer" may hold several diffusers transformers (Wan2.2-A14B's two experts): each is a *part*, saved as
+    # its own diffusers folder. The three hooks below say where each part's weights are, how its state-dict keys
+    # start, and which module the planner traces; a one-transformer family keeps the defaults.
+    def weight_folders(self, path: str | os.PathLike) -> dict[str, Path]:
+        """State-dict key prefix -> the folder of that part's safetensors (default: the one transformer folder)."""
+        return {"": self.transformer_folder(path)}
+
+    def transformer_parts(self, model: Any) -> dict[str, str]:
+        """Export subfolder ("" = the export folder itself) -> state-dict key prefix of each part of ``model``."""
+        return {"": ""}
+
+    def traced_transformer(self, model: Any) -> Any:
+        """The module whose forward the memory planner traces for one velocity call (default: ``model``)."""
+        return model
+
     def load_vae(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> torch.nn.Module:
         """The frozen VAE (eval mode, no grad)."""

@@ -252,10 +252,14 @@ class Wan(ModelFamily):
         folder = check_components(path, _COMPONENT_FILES, COMPONENTS if components is None else components, "Wan",
                                   _HINT)
         config = _pipeline_config(folder)
-        if config.get("boundary_ratio") is not None or (folder / "transformer_2" / "config.json").is_file():
-            raise ValueError(f"{folder} is a Wan2.2 two-expert folder (boundary_ratio / transformer_2), which the wan "
-                             "family does not serve yet: use a Wan2.1 T2V folder (Wan-AI/Wan2.1-T2V-14B-Diffusers) "
-                             "or Wan2.2-TI2V-5B; docs/video.md")
+        two = (folder / "transformer_2" / "config.json").is_file()
+        if (config.get("boundary_ratio") is not None) != two and (folder / "model_index.json").is_file():
+            raise ValueError(f"{folder}: model_index.json's boundary_ratio is {config.get('boundary_ratio')} but "
+                             f"transformer_2/ is {'there' if two else 'missing'}; a Wan2.2-A14B folder has both, a "
+                             "Wan2.1 or TI2V-5B folder neither: re-download the model folder")
+        if two and config.get("expand_timesteps"):
+            raise ValueError(f"{folder} has two experts and expand_timesteps: not a text-to-video Wan pipeline the "
+                             "wan family knows (Wan2.1 T2V, Wan2.2-TI2V-5B, Wan2.2-T2V-A14B)")
         return folder
 
     def transformer_folder(self, path):
@@ -266,24 +270,55 @@ class Wan(ModelFamily):
         computed at build: ``prepare_for_device`` rebuilds them on the device after sharded loading)."""
         from diffusers import WanTransformer3DModel  # heavy
 
-        model = build_on_meta(WanTransformer3DModel, self.transformer_folder(path), dtype)
-        return self._adapted(model, path)
+        return self._adapted(lambda folder: build_on_meta(WanTransformer3DModel, folder, dtype), path)
 
     def load_transformer(self, path, dtype=torch.float32, device="cpu"):
         from diffusers import WanTransformer3DModel  # heavy
 
-        model = WanTransformer3DModel.from_pretrained(self.transformer_folder(path), torch_dtype=dtype,
-                                                      local_files_only=True).to(device)
-        return self._adapted(model, path)
+        return self._adapted(lambda folder: WanTransformer3DModel.from_pretrained(
+            folder, torch_dtype=dtype, local_files_only=True).to(device), path)
 
-    def _adapted(self, model: Any, path: Any) -> Any:
-        """The loaded transformer kept in one attention dtype, tagged with this family, and carrying the pipeline's
-        ``expand_timesteps`` (Wan2.2-TI2V-5B: a timestep per video token) as the private config key
-        ``_expand_timesteps`` (diffusers drops ``_`` keys when loading a config, and exports strip them)."""
-        keep_attention_dtype(model)
-        if _pipeline_config(_pipeline_folder(path)).get("expand_timesteps"):
-            model.register_to_config(_expand_timesteps=True)
-        return tag(model, self)
+    def _adapted(self, make: Any, path: Any) -> Any:
+        """The transformer(s) of ``path`` made by ``make(folder)``, each kept in one attention dtype and tagged with
+        this family. Wan2.2-A14B: both experts as one ``WanExperts`` (routed at ``boundary_ratio * 1000``);
+        Wan2.2-TI2V-5B: the pipeline's ``expand_timesteps`` (a timestep per video token) recorded as the private
+        config key ``_expand_timesteps`` (diffusers drops ``_`` keys when loading a config; exports strip them)."""
+        pipeline = _pipeline_config(_pipeline_folder(path))
+        folders = [self.transformer_folder(path)]
+        if pipeline.get("boundary_ratio") is not None:
+            folders.append(Path(path).expanduser() / "transformer_2")
+        parts = []
+        for folder in folders:
+            model = make(folder)
+            keep_attention_dtype(model)
+            if pipeline.get("expand_timesteps"):
+                model.register_to_config(_expand_timesteps=True)
+            parts.append(tag(model, self))
+        if len(parts) == 1:
+            return parts[0]
+        from fastvideo.models.wan_experts import WanExperts  # heavy (diffusers)
+
+        return tag(WanExperts(*parts, pipeline["boundary_ratio"] * NUM_TRAIN_TIMESTEPS), self)
+
+    def weight_folders(self, path):
+        """The transformer folder, and Wan2.2-A14B's second expert's under the ``transformer_2.`` keys."""
+        if _pipeline_config(_pipeline_folder(path)).get("boundary_ratio") is None:
+            return {"": self.transformer_folder(path)}
+        return {"transformer.": self.transformer_folder(path),
+                "transformer_2.": Path(path).expanduser() / "transformer_2"}
+
+    def transformer_parts(self, model):
+        """Wan2.2-A14B's experts export as ``final/`` (the high-noise ``transformer``, what ``load_lora_weights``
+        and ``from_pretrained`` take) and ``final/transformer_2/`` (``load_lora_weights(...,
+        load_into_transformer_2=True)``)."""
+        if not hasattr(unwrap_model(model), "experts"):
+            return {"": ""}
+        return {"": "transformer.", "transformer_2": "transformer_2."}
+
+    def traced_transformer(self, model):
+        """One expert of Wan2.2-A14B (each velocity call runs one expert per row; both have the same activations)."""
+        inner = unwrap_model(model)
+        return inner.transformer if hasattr(inner, "experts") else model
 
     def vae_class(self):
         from diffusers import AutoencoderKLWan  # heavy
@@ -409,7 +444,8 @@ class Wan(ModelFamily):
         there) on the CPU, as the stock model builds them (float64 angles, float32 tables: nothing float64 reaches
         the device, so an NPU needs no change), then the attention kernel (``choose_attention``)."""
         model = unwrap_model(transformer)
-        _fresh_rope_tables(model, device)
+        for expert in model.experts() if hasattr(model, "experts") else (model,):
+            _fresh_rope_tables(expert, device)
         return choose_attention(model, device, param_dtype, attention_backend)
 
     def pipeline_class(self) -> type:

@@ -1,6 +1,7 @@
-"""Wan presets: ``wan-tiny`` and ``wan22-ti2v-tiny`` (seeded random Wan2.1- and Wan2.2-TI2V-layout folders that the
-stock ``WanPipeline`` loads, built in seconds) and ``wan2.1-t2v-14b-config`` / ``wan2.2-ti2v-5b-config`` (the real
-models' configs without weights, for meta-device planning at 480 x 832 x 81 frames)."""
+"""Wan presets: ``wan-tiny``, ``wan22-ti2v-tiny`` and ``wan22-a14b-tiny`` (seeded random Wan2.1-, Wan2.2-TI2V- and
+Wan2.2-A14B-layout folders that the stock ``WanPipeline`` loads, built in seconds) and ``wan2.1-t2v-14b-config`` /
+``wan2.2-ti2v-5b-config`` / ``wan2.2-t2v-a14b-config`` (the real models' configs without weights, for meta-device
+planning at 480 x 832 x 81 frames)."""
 from __future__ import annotations
 
 import json
@@ -83,12 +84,18 @@ WAN22_VAE_CONFIG: dict[str, Any] = {
 TI2V_FLOW_SHIFT = 5.0  # the conversion script's flow_shift for TI2V
 WAN22_TI2V_5B_TRANSFORMER_PARAMETERS = 4_999_787_712  # build_transformer(write_config(..., "ti2v")) parameters
 
+A14B_BOUNDARY_RATIO = 0.875  # the conversion script's WanPipeline(boundary_ratio=0.875) for Wan2.2-T2V-A14B
+
 # The variants a preset can take: (pipeline flags for model_index.json, transformer config, VAE config, flow_shift)
 VARIANTS: dict[str, tuple[dict, dict, dict, float]] = {
     "wan2.1": ({"boundary_ratio": None, "expand_timesteps": False}, WAN21_T2V_14B_TRANSFORMER_CONFIG,
                WAN21_VAE_CONFIG, FLOW_SHIFT),
     "ti2v": ({"boundary_ratio": None, "expand_timesteps": True}, WAN22_TI2V_5B_TRANSFORMER_CONFIG, WAN22_VAE_CONFIG,
              TI2V_FLOW_SHIFT),
+    # Wan2.2-T2V-A14B: two experts of Wan2.1-14B's architecture (the conversion script's "Wan2.2-T2V-A14B" config),
+    # the Wan2.1 VAE, boundary_ratio 0.875, flow_shift 3
+    "a14b": ({"boundary_ratio": A14B_BOUNDARY_RATIO, "expand_timesteps": False}, WAN21_T2V_14B_TRANSFORMER_CONFIG,
+             WAN21_VAE_CONFIG, FLOW_SHIFT),
 }
 
 
@@ -104,7 +111,7 @@ def _model_index(variant: str = "wan2.1") -> dict:
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
         "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if variant == "a14b" else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
 
@@ -112,13 +119,34 @@ def _model_index(variant: str = "wan2.1") -> dict:
 def _components(p: TinyWan, seed: int, variant: str = "wan2.1") -> dict[str, Any]:
     """Every model of the tiny folder, each from its own derived seed (eval mode); ``variant``'s latent channels
     and VAE layout (TI2V: 48 channels, the residual 2x2-patchified VAE)."""
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel  # heavy
+    from diffusers import AutoencoderKLWan  # heavy
     from transformers import UMT5Config, UMT5EncoderModel  # heavy
 
     def seeded(name: str) -> None:
         torch.manual_seed(derive_seed(seed, "tiny-wan", name))
 
-    seeded("transformer")
+    experts = {}
+    for name in ("transformer", "transformer_2") if variant == "a14b" else ("transformer",):
+        seeded(name)
+        experts[name] = _tiny_transformer(p, variant)
+    seeded("vae")
+    vae_config = VARIANTS[variant][2]
+    vae = AutoencoderKLWan(**{**vae_config, "base_dim": p.vae_base_dim, "num_res_blocks": 1,
+                              **({"decoder_base_dim": p.vae_base_dim} if "decoder_base_dim" in vae_config else {})})
+    vae = vae.eval()
+    seeded("text_encoder")
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=tiny.T5_VOCAB_SIZE, d_model=p.text_dim, d_kv=8, d_ff=2 * p.text_dim, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
+    return {**experts, "vae": vae, "text_encoder": text_encoder}
+
+
+def _tiny_transformer(p: TinyWan, variant: str) -> Any:
+    """A tiny WanTransformer3DModel of ``variant``'s latent channels, on the global RNG (the caller seeds it)."""
+    from diffusers import WanTransformer3DModel  # heavy
+
     transformer = WanTransformer3DModel(
         patch_size=PATCH, num_attention_heads=p.num_attention_heads, attention_head_dim=p.attention_head_dim,
         in_channels=VARIANTS[variant][1]["in_channels"], out_channels=VARIANTS[variant][1]["out_channels"],
@@ -133,18 +161,7 @@ def _components(p: TinyWan, seed: int, variant: str = "wan2.1") -> dict[str, Any
                             (transformer.condition_embedder.text_embedder.linear_2, p.text_gain)):
             layer.weight.mul_(gain)
             layer.bias.mul_(gain)
-    seeded("vae")
-    vae_config = VARIANTS[variant][2]
-    vae = AutoencoderKLWan(**{**vae_config, "base_dim": p.vae_base_dim, "num_res_blocks": 1,
-                              **({"decoder_base_dim": p.vae_base_dim} if "decoder_base_dim" in vae_config else {})})
-    vae = vae.eval()
-    seeded("text_encoder")
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=tiny.T5_VOCAB_SIZE, d_model=p.text_dim, d_kv=8, d_ff=2 * p.text_dim, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
-        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
-    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
+    return transformer
 
 
 def _write_tiny(tmp: Path, seed: int, variant: str = "wan2.1", preset: str = "wan-tiny") -> None:
@@ -181,7 +198,8 @@ def _write_config_folder(tmp: Path, variant: str = "wan2.1", preset: str = "wan2
 
     _, transformer_config, vae_config, shift = VARIANTS[variant]
     with torch.device("meta"):
-        WanTransformer3DModel(**transformer_config).save_config(tmp / "transformer")
+        for name in ("transformer", "transformer_2") if variant == "a14b" else ("transformer",):
+            WanTransformer3DModel(**transformer_config).save_config(tmp / name)
         AutoencoderKLWan(**vae_config).save_config(tmp / "vae")
     UMT5Config(**UMT5_XXL_CONFIG).save_pretrained(tmp / "text_encoder")
     UniPCMultistepScheduler(**{**UNIPC_CONFIG, "flow_shift": shift}).save_pretrained(tmp / "scheduler")
@@ -199,6 +217,18 @@ def write_config(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write Wan2.1-T2V-14B's diffusers layout with its real configs and no weights (``seed`` is ignored): for
     meta-device planning without the download. Atomic; FileExistsError if non-empty."""
     return tiny.write_atomically(out_dir, _write_config_folder)
+
+
+def build_tiny_a14b(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A seeded tiny Wan2.2-T2V-A14B-layout folder: two tiny experts (``transformer`` above the boundary,
+    ``transformer_2`` below; different seeds) with ``boundary_ratio`` 0.875, the Wan2.1 VAE, 64 x 64 x 5 frames."""
+    return tiny.write_atomically(out_dir, lambda tmp: _write_tiny(tmp, int(seed), "a14b", "wan22-a14b-tiny"))
+
+
+def write_config_a14b(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Wan2.2-T2V-A14B's diffusers layout with its real configs (two 14B experts) and no weights."""
+    return tiny.write_atomically(out_dir, lambda tmp: _write_config_folder(tmp, "a14b", "wan2.2-t2v-a14b-config",
+                                                                           "Wan-AI/Wan2.2-T2V-A14B-Diffusers"))
 
 
 def write_config_ti2v(out_dir: str | os.PathLike, seed: int = 0) -> Path:
