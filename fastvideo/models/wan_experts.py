@@ -10,7 +10,9 @@ Routing under FSDP: every rank must run the same expert forwards in the same ord
 one expert meet the other expert's on another rank (the same shapes: silently mixed weights, or a hang). So each
 call first agrees across ranks (``distributed.all_reduce_max_``) on which experts any rank needs; a rank without rows
 for an agreed expert runs it on one of its rows and adds the result times zero (its gradients are zero, so FSDP's
-reduce-scatter matches and the averaged gradient is right). A rollout step (one sigma on every rank) needs one expert
+reduce-scatter matches and the averaged gradient is right). With one expert trained (``--train_experts``), a call
+that only the frozen one serves runs the trained one on its stand-in row too, so the loss keeps a graph (zero
+gradients) on every rank. A rollout step (one sigma on every rank) needs one expert
 everywhere: no extra forward. The agreement costs one tiny all-reduce and one host sync per call (the rows of each
 expert must be known on the host to split the batch); the pretend-CUDA harness exempts this one site from the
 sampling and replay loops' sync budgets, and nothing else (``tests/fake_cuda.py``). Against a 14B forward of
@@ -91,6 +93,11 @@ class WanExperts(nn.Module, PeftAdapterMixin):
         host = torch.cat([wanted, high.to(torch.int32)]).cpu().tolist()  # the one host sync (module docstring)
         needed, high = [bool(v) for v in host[:2]], [bool(v) for v in host[2:]]
         rows = ([i for i, h in enumerate(high) if h], [i for i, h in enumerate(high) if not h])
+        trainable = [any(p.requires_grad for p in e.parameters()) for e in self.experts()]
+        if torch.is_grad_enabled() and any(trainable) and not any(n and t for n, t in zip(needed, trainable)):
+            # --train_experts: a call only the frozen expert serves would give a loss without a graph (every rank
+            # alike: ``needed`` is agreed); the trained expert joins on its stand-in row and gets zero gradients
+            needed[trainable.index(True)] = True
         outputs, order, zero = [], [], None
         for expert, mine, need in zip(self.experts(), rows, needed):
             if not need:
