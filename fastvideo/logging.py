@@ -101,6 +101,30 @@ class MetricsLogger:
             array = grid.clamp(0, 1).mul(255).add(0.5).to(torch.uint8).permute(1, 2, 0).numpy()
             self._wandb.log({tag: wandb.Image(array)}, step=step)
 
+    def log_video(self, tag: str, videos: torch.Tensor, step: int, fps: int) -> None:
+        """Mirror videos (B, F, 3, H, W) in [0, 1] to TensorBoard / W&B as one tiled video (``video_grid``):
+        TensorBoard gets an animated GIF image summary (what its own ``add_video`` writes, without moviepy), W&B an
+        MP4 written under ``OUT/samples/`` (``wandb.Video`` of a file needs no encoder of its own). The frame-strip
+        PNG on disk is ``save_image_grid``'s either way."""
+        if not self.enabled or (self._tb is None and self._wandb is None):
+            return
+        frames = video_grid(videos)  # (F, 3, H', W')
+        if self._tb is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary  # optional: the tensorboard extra
+
+            image = Summary.Image(height=frames.shape[-2], width=frames.shape[-1], colorspace=3,
+                                  encoded_image_string=gif_bytes(frames, fps))
+            self._tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+        if self._wandb is not None:
+            import wandb  # optional
+
+            from fastvideo.video import write_mp4
+
+            path = self.path.parent / "samples" / f"{tag.replace('/', '-')}-step-{step:06d}.mp4"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_mp4(frames, path, fps)
+            self._wandb.log({tag: wandb.Video(str(path), format="mp4")}, step=step)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -164,6 +188,32 @@ def strip_grid(videos: torch.Tensor) -> torch.Tensor:
 
     return make_grid(frame_strips(videos).detach().float().cpu().clamp(0, 1), nrow=min(STRIP_FRAMES, videos.shape[1]),
                      padding=2)
+
+
+def video_grid(videos: torch.Tensor, nrow: int | None = None) -> torch.Tensor:
+    """Videos (B, F, 3, H, W) in [0, 1] -> one video (F, 3, H', W'): frame f of every video tiled as ``make_grid``
+    tiles images (``nrow`` per row, default ceil(sqrt(B)))."""
+    from torchvision.utils import make_grid  # heavy
+
+    if videos.ndim != 5 or videos.shape[2] != 3:
+        raise ValueError(f"video_grid takes videos (B, F, 3, H, W), got {tuple(videos.shape)}")
+    nrow = nrow or max(1, math.ceil(math.sqrt(videos.shape[0])))
+    return torch.stack([make_grid(videos[:, f].float().clamp(0, 1), nrow=nrow, padding=2, pad_value=1.0)
+                        for f in range(videos.shape[1])])
+
+
+def gif_bytes(frames: torch.Tensor, fps: int) -> bytes:
+    """Frames (F, 3, H, W) in [0, 1] as an animated GIF (looping, 1/fps s per frame), PIL-encoded."""
+    import io
+
+    from PIL import Image
+
+    arrays = frames.clamp(0, 1).mul(255).add(0.5).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pictures = [Image.fromarray(a) for a in arrays]
+    buffer = io.BytesIO()
+    pictures[0].save(buffer, format="GIF", save_all=True, append_images=pictures[1:], loop=0,
+                     duration=max(1, round(1000 / max(1, fps))))
+    return buffer.getvalue()
 
 
 def peak_memory_gb(device: torch.device | str) -> float:

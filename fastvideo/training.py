@@ -260,6 +260,8 @@ class Run:
         if dist.is_main:
             grid = save_image_grid(shown[:16], self.out / "samples" / f"eval-step-{step:06d}.png")
             self.logger.log_image("eval/samples", grid, step)
+            if shown.ndim == 5:  # videos: the strips above, and the videos themselves to TensorBoard / W&B
+                self.logger.log_video("eval/videos", shown[:16], step, args.fps or 16)
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
@@ -489,6 +491,8 @@ class Run:
                 and self.dist.is_main):
             grid = save_image_grid(images, self.out / "samples" / f"step-{step:06d}.png")
             self.logger.log_image("samples", grid, step)
+            if images.ndim == 5:
+                self.logger.log_video("videos", images, step, args.fps or 16)
         if step % args.checkpointing_steps == 0 or last or too_many_skips:
             save_state(args, step, self.policy, self.optimizer, self.lr_scheduler, extra={
                 "step": step, "skipped_updates": self.skipped_updates, "rng": D.all_gather_object(rng_state()),

@@ -138,3 +138,41 @@ def test_recorded_videos_replay_as_the_same_8_bit_frames(tmp_path):
     assert (back - videos).abs().max() <= 0.5 / 255 + 1e-6  # 8-bit rounding only: a lossless frame stack
     with pytest.raises(ValueError, match="not 9 frames of 16"):
         replay.images(1, [0], [0], like=torch.zeros(1, 9, 3, 16, 16))
+
+
+def test_tensorboard_gets_an_animated_gif_and_wandb_an_mp4_of_the_videos(tmp_path, monkeypatch):
+    """``Logger.log_video``: TensorBoard's event file holds an image summary that is a GIF of every frame of the tiled
+    videos (what its add_video writes, without moviepy); offline W&B logs a Video whose MP4 PyAV decodes to the
+    frames."""
+    import io
+
+    import numpy as np
+
+    from PIL import Image, ImageSequence
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fastvideo.logging import MetricsLogger, video_grid
+    from fastvideo.video import read_mp4
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    videos = torch.zeros(2, 5, 3, 16, 16)
+    for f in range(5):
+        videos[:, f, 0, 4:8, 2 * f:2 * f + 4] = 1.0  # a red square moving right, 2 px per frame
+    logger = MetricsLogger(tmp_path, enabled=True, sinks=("jsonl", "tensorboard", "wandb"), config={"x": 1})
+    logger.log_video("videos", videos, 3, fps=8)
+    logger.close()
+    grid = video_grid(videos)
+    assert grid.shape == (5, 3, 2 + 18, 2 + 2 * 18)  # two videos side by side, make_grid's 2 px padding
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    [event] = events.Images("videos")
+    gif = Image.open(io.BytesIO(event.encoded_image_string))
+    frames = [torch.from_numpy(np.asarray(f.convert("RGB"))) for f in ImageSequence.Iterator(gif)]
+    assert event.step == 3 and gif.format == "GIF" and len(frames) == 5
+    for f, frame in enumerate(frames):  # GIF's palette keeps these pure colours exact
+        assert torch.equal(frame.permute(2, 0, 1).float() / 255, grid[f].mul(255).round().div(255)), f
+    [mp4] = tmp_path.glob("samples/videos-step-000003.mp4")
+    decoded, fps = read_mp4(mp4)
+    assert decoded.shape == grid.shape and fps == 8 and (decoded - grid).abs().mean() < 0.05
+    assert list((tmp_path / "wandb").glob("offline-run-*/files/media/videos/*.mp4"))
