@@ -492,3 +492,39 @@ def test_absurd_logprobs_are_the_judges_own_error():
             vlm_judge.yes_no_from_logprobs([{"token": "Yes", "logprob": bad}])
     assert vlm_judge.yes_no_from_logprobs([{"token": "Yes", "logprob": float("-inf")},
                                            {"token": "No", "logprob": 0.0}]) == 0.0
+
+
+def test_judge_sees_a_videos_frames_in_one_request(server, local, token):
+    """A video reward through the judge: RewardFn sends each video's --reward_frames frames (in order) in one request
+    with the video template, and the score is the model's own P(yes) for that multi-image message; OCR has no video
+    template (it reads frames one by one)."""
+    from PIL import Image
+
+    videos = torch.rand(2, 5, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    videos[1, :, :, 8:24, 8:24] = torch.tensor([1.0, 0.0, 0.0]).view(1, 3, 1, 1)
+    prompts = ["a red square", "noise on a screen"]
+    reward = build_reward(f"vlm_judge:{server}/v1:1.0", "cpu")
+    reward.reward_frames = 3
+    scored = reward(videos, prompts)
+    assert set(scored) == {"total", "vlm_judge", "vlm_judge_logprob_used", "frame_change"}
+    processor, model = local
+    expected = []
+    for video, prompt in zip(videos, prompts):
+        frames = [Image.fromarray(_pixels(video[i:i + 1])[0].numpy()) for i in (0, 2, 4)]
+        text = vlm_judge.render(vlm_judge.VIDEO_TEMPLATES["yes_no"], prompt, 10, frames=3)
+        messages = [{"role": "user", "content": [*({"type": "image", "image": f} for f in frames),
+                                                 {"type": "text", "text": text}]}]
+        inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, -1]
+        top = torch.log_softmax(logits.float(), -1).topk(20)
+        words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
+        p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
+        expected.append(p["yes"] / (p["yes"] + p["no"]))
+    assert scored["vlm_judge"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert scored["total"].tolist() == scored["vlm_judge"].tolist()
+    assert "These are 3 frames of a video, in order." in vlm_judge.render(
+        vlm_judge.VIDEO_TEMPLATES["number"], "x", 10, frames=3)
+    ocr = vlm_judge.build(f"{server}/v1", "cpu", judge_score="ocr")
+    assert not ocr.scores_videos

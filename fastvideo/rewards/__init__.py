@@ -39,12 +39,13 @@ Their bearer token comes from the environment variable FASTVIDEO_REWARD_TOKEN on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import math
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -346,40 +347,65 @@ class RewardFn:
             for name, weight, scorer in self.components:
                 chunks = [scorer(images[i:i + step], prompts[i:i + step]) for i in range(0, images.shape[0], step)]
                 result = chunks[0] if len(chunks) == 1 else _concat(chunks)
-                if isinstance(result, dict):  # "score" is the component; the rest are logged as name_key
-                    assert "score" in result, f"reward {name!r} returned a dict without 'score': {sorted(result)}"
-                    entries = {name: result["score"], **{f"{name}_{k}": v for k, v in result.items() if k != "score"}}
-                else:
-                    entries = {name: result}
-                for key, value in entries.items():
-                    value = value.detach().to("cpu", torch.float32).reshape(-1)
-                    if self.nonfinite == "error":
-                        _check_finite(key, value, images, prompts)
-                    out[key] = value
+                out.update(self._entries(name, result, images, prompts))
                 total = total + weight * out[name]
         return {"total": total, **out}
 
     def score_video(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Videos (B, F, 3, H, W): each component on the frames ``frame_index`` picks (one batch of B x N images, the
-        prompt repeated per frame), reduced per video by ``frame_reduce``; "total" = the weighted sum of the reduced
-        components; plus ``frame_change``, the mean absolute change between consecutive frames (all F), logged beside
-        the reward and never trained on: a flicker or a frozen video shows in its curve."""
+        prompt repeated per frame), reduced per video by ``frame_reduce``; a scorer that judges whole videos
+        (``scores_videos``: the VLM judge) gets the picked frames of each video together instead, ``VIDEO_FRAMES``
+        of them when --reward_frames is 0. "total" = the weighted sum of the components; plus ``frame_change``, the
+        mean absolute change between consecutive frames (all F), logged beside the reward and never trained on: a
+        flicker or a frozen video shows in its curve."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         B, F = videos.shape[:2]
         if len(prompts) != B:
             raise ValueError(f"got {B} videos but {len(prompts)} prompts; pass one prompt per video")
-        index = frame_index(F, self.reward_frames, self.frame_reduce)
-        N = len(index)
-        frames = torch.stack([videos[:, i] for i in index.tolist()], dim=1).flatten(0, 1)  # no CPU index on a GPU
-        scored = self(frames, [p for p in prompts for _ in range(N)])
-        reduce = {"mean": lambda v: v.mean(dim=1), "min": lambda v: v.min(dim=1).values}.get(
-            self.frame_reduce, lambda v: v[:, 0])
-        out = {key: reduce(value.view(B, N)) for key, value in scored.items() if key != "total"}
+        whole = [c for c in self.components if getattr(c[2], "scores_videos", False)]
+        framewise = [c for c in self.components if c not in whole]
+        out: dict[str, torch.Tensor] = {}
+        if framewise:
+            index = frame_index(F, self.reward_frames, self.frame_reduce)
+            N = len(index)
+            frames = torch.stack([videos[:, i] for i in index.tolist()], dim=1).flatten(0, 1)  # no CPU index on a GPU
+            scored = dataclasses.replace(self, components=framewise)(frames, [p for p in prompts for _ in range(N)])
+            reduce = {"mean": lambda v: v.mean(dim=1), "min": lambda v: v.min(dim=1).values}.get(
+                self.frame_reduce, lambda v: v[:, 0])
+            out.update({key: reduce(value.view(B, N)) for key, value in scored.items() if key != "total"})
+        if whole:
+            from fastvideo.rewards.vlm_judge import VIDEO_FRAMES
+
+            index = frame_index(F, self.reward_frames or VIDEO_FRAMES, self.frame_reduce)
+            clips = torch.stack([videos[:, i] for i in index.tolist()], dim=1)  # (B, N, 3, H, W)
+            step = self.batch_size or B
+            with torch.no_grad():
+                for name, _, scorer in whole:
+                    chunks = [scorer.score_videos(clips[i:i + step], prompts[i:i + step]) for i in range(0, B, step)]
+                    result = chunks[0] if len(chunks) == 1 else _concat(chunks)
+                    out.update(self._entries(name, result, clips[:, 0], prompts))
         total = torch.zeros(B, dtype=torch.float32)
         for name, weight, _ in self.components:
             total = total + weight * out[name]
         change = (videos[:, 1:] - videos[:, :-1]).abs().float().mean(dim=(1, 2, 3, 4)) if F > 1 else torch.zeros(B)
-        return {"total": total, **out, "frame_change": change.detach().to("cpu", torch.float32)}
+        return {"total": total, **{n: out.pop(n) for n in self.names}, **out,
+                "frame_change": change.detach().to("cpu", torch.float32)}
+
+    def _entries(self, name: str, result: Any, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """One component's outputs as detached (B,) float32 CPU tensors: the score as ``name`` (a dict's "score"),
+        a dict's other entries as ``name_key``; non-finite values refused here when ``nonfinite`` is "error"."""
+        if isinstance(result, dict):  # "score" is the component; the rest are logged as name_key
+            assert "score" in result, f"reward {name!r} returned a dict without 'score': {sorted(result)}"
+            entries = {name: result["score"], **{f"{name}_{k}": v for k, v in result.items() if k != "score"}}
+        else:
+            entries = {name: result}
+        out = {}
+        for key, value in entries.items():
+            value = value.detach().to("cpu", torch.float32).reshape(-1)
+            if self.nonfinite == "error":
+                _check_finite(key, value, images, prompts)
+            out[key] = value
+        return out
 
     def __repr__(self) -> str:
         spec = ",".join(f"{n}:{w:g}" for n, w, _ in self.components)

@@ -56,6 +56,16 @@ TEMPLATES = {
     # verl-omni's generative OCR reward prompt (verl_omni/utils/reward_score/genrm_ocr.py, DEFAULT_GRM_PROMPT).
     "ocr": "Please output only the text content from the image without any additional descriptions or formatting.",
 }
+# A video's frames go to the judge as one request: the frames in order as image parts, then this text ({frames}:
+# how many). The same questions as TEMPLATES, about the video; OCR reads single frames (it has no video template).
+VIDEO_TEMPLATES = {
+    "yes_no": 'These are {frames} frames of a video, in order. Does this video show "{prompt}"? Please answer yes or '
+              "no.",
+    "number": 'These are {frames} frames of a video, in order. How well does this video match the description '
+              '"{prompt}"? Rate it from 0 (not at all) to {max_score} (perfectly). Answer with the number only.',
+}
+VIDEO_FRAMES = 8  # frames per video request when --reward_frames is 0 (servers cap images per request: vLLM's
+# --limit-mm-per-prompt, fastvideo.rewards.chat_server's MAX_IMAGES 8)
 MAX_TOKENS = {"yes_no": 4, "number": 16, "ocr": 128}  # generated tokens per request: an answer, a rating, a transcript
 TOP_LOGPROBS = 20  # what vLLM allows by default (--max-logprobs 20)
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
@@ -92,9 +102,11 @@ def load_template(path: str | None, mode: str) -> str:
     return text
 
 
-def render(template: str, prompt: str, max_score: float) -> str:
-    """The template's text for one prompt (plain replacement, so other braces in a template stay as they are)."""
-    return template.replace("{prompt}", prompt).replace("{max_score}", f"{max_score:g}")
+def render(template: str, prompt: str, max_score: float, frames: int | None = None) -> str:
+    """The template's text for one prompt (plain replacement, so other braces in a template stay as they are);
+    ``frames``: a video's frame count for ``{frames}``."""
+    text = template.replace("{prompt}", prompt).replace("{max_score}", f"{max_score:g}")
+    return text if frames is None else text.replace("{frames}", str(frames))
 
 
 def png_data_uri(image: torch.Tensor) -> str:
@@ -217,16 +229,25 @@ class VLMJudge:
     retries: int = 2
     token: str | None = None
     first_replica: int = 0  # where this process's round-robin over the replicas starts (its rank)
+    video_template: str | None = None  # a video's question (VIDEO_TEMPLATES, or --judge_template's); None: frames
     _next: Any = field(default=None, init=False, repr=False)  # the round-robin position, across calls
     _warned: bool = field(default=False, init=False, repr=False)  # the text fallback was announced
 
     def __post_init__(self) -> None:
         self._next = itertools.count(self.first_replica)
 
-    def body(self, image_uri: str, prompt: str) -> dict:
-        """The chat-completions request for one image and its prompt."""
-        content = [{"type": "image_url", "image_url": {"url": image_uri}},
-                   {"type": "text", "text": render(self.template, prompt, self.max_score)}]
+    @property
+    def scores_videos(self) -> bool:
+        """Whether a video goes to the judge whole (its frames in one request: ``score_videos``) rather than frame by
+        frame (``RewardFn.score_video`` reads this)."""
+        return self.video_template is not None
+
+    def body(self, image_uri: str | list[str], prompt: str) -> dict:
+        """The chat-completions request for one image (or a video's frames, in order) and its prompt."""
+        uris = [image_uri] if isinstance(image_uri, str) else list(image_uri)
+        text = render(self.template, prompt, self.max_score) if isinstance(image_uri, str) else \
+            render(self.video_template, prompt, self.max_score, frames=len(uris))
+        content = [*({"type": "image_url", "image_url": {"url": uri}} for uri in uris), {"type": "text", "text": text}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0.0,
                 "max_tokens": MAX_TOKENS[self.mode], "n": 1}
         if self.mode == "yes_no":
@@ -235,8 +256,10 @@ class VLMJudge:
 
     def ask(self, image: torch.Tensor, prompt: str, replica: int = 0) -> tuple[str, list | None]:
         """One request, to replica ``replica`` first and to the next ones when it gets no reply: the judge's reply
-        text and its first token's top_logprobs (None when not given)."""
-        body = json.dumps(self.body(png_data_uri(image), prompt)).encode("utf-8")
+        text and its first token's top_logprobs (None when not given). ``image``: (H, W, 3) uint8, or a video's
+        frames (N, H, W, 3)."""
+        uri = png_data_uri(image) if image.ndim == 3 else [png_data_uri(frame) for frame in image]
+        body = json.dumps(self.body(uri, prompt)).encode("utf-8")
         reply, url = http.request_replicas(self.urls, replica, body=body, token=self.token, timeout_s=self.timeout_s,
                                            retries=self.retries, what="VLM judge")
         return read_reply(reply, url)
@@ -260,9 +283,19 @@ class VLMJudge:
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score a batch (B, 3, H, W) in [0, 1]: one request per image, ``concurrency`` in flight, spread
         round-robin over the replicas."""
-        prompts = list(prompts)
-        check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
         pixels = to_grey_levels(images.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()  # (B, H, W, 3)
+        return self._score(pixels, list(prompts))
+
+    def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Score videos (B, N, 3, H, W) in [0, 1]: one request per video with its N frames in order and the video
+        template (``VIDEO_TEMPLATES``); the same score modes and outputs as images."""
+        if not self.scores_videos:
+            raise ValueError(f"the {self.mode} judge reads single frames; it has no video template")
+        pixels = to_grey_levels(videos.detach().flatten(0, 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+        return self._score(pixels.view(*videos.shape[:2], *pixels.shape[1:]), list(prompts))
+
+    def _score(self, pixels: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
         replicas = [next(self._next) % len(self.urls) for _ in prompts]
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts))),
                                 thread_name_prefix="vlm-judge") as pool:
@@ -307,6 +340,8 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
     bases = [api_base(u) for u in url.split("|")]
     http.split_urls("|".join(bases), what="VLM judge")  # ValueError for a malformed host, port or ?query
     template = load_template(judge_template, judge_score)
+    # a video's question: the built-in one, or --judge_template's own text (it may say {frames}); OCR reads frames
+    video_template = None if judge_score == "ocr" else (template if judge_template else VIDEO_TEMPLATES[judge_score])
     token = http.token_from_env()
     served = {base: served_models(base, token, reward_timeout_s, reward_retries) for base in bases}
     model = judge_model or served[bases[0]][0]
@@ -320,9 +355,10 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
     return VLMJudge(urls=[f"{base}/chat/completions" for base in bases], model=model, template=template,
                     mode=judge_score, max_score=float(judge_max_score), concurrency=int(judge_max_concurrency),
                     timeout_s=float(reward_timeout_s), retries=int(reward_retries), token=token,
-                    first_replica=launch_env()[0])  # rank r starts at replica r: the ranks' requests spread
+                    first_replica=launch_env()[0],  # rank r starts at replica r: the ranks' requests spread
+                    video_template=video_template)
 
 
-__all__ = ["SCORE_MODES", "TEMPLATES", "VLMJudge", "api_base", "build", "check_prompts", "levenshtein",
+__all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "api_base", "build", "check_prompts", "levenshtein",
            "load_template", "ocr_score", "ocr_target", "parse_number", "read_reply", "served_models",
            "yes_no_from_logprobs", "yes_no_from_text"]
