@@ -346,10 +346,10 @@ def test_dpo_nft_awm_with_lora_and_a_grpo_full_fine_tune(fam, tmp_path):
     assert moved > 0
 
 
-# one family (Qwen-Image: true CFG with a negative prompt, the most guided state to restore and replay): resume and
-# record/replay are the scaffold's, the same for every family; each family's guided replay is checked on-policy by
-# test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads
-@pytest.mark.parametrize("fam", ["qwen-image"], indirect=True)
+# one family (Wan: true CFG with a negative prompt and videos, the most state to restore, record and replay): resume
+# and record/replay are the scaffold's, the same for every family; each family's guided replay is checked on-policy
+# by test_grpo_lora_with_cfg_is_on_policy_and_exports_a_lora_the_pipeline_loads
+@pytest.mark.parametrize("fam", ["wan"], indirect=True)
 @pytest.mark.slow(cover=FLUX2_GRPO, cost_s=25)
 def test_grpo_with_cfg_resumes_exactly_and_replays_its_recording(fam, tmp_path):
     """GRPO LoRA with CFG, 2 steps on 2 ranks with a checkpoint after each and a recording: continued from step 1 it
