@@ -20,6 +20,10 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
   toyworld_strict         (no weights) the strict check alone as a reward: 1 when all four checks pass, else 0 (logged
                           as toyworld_strict, the key toyworld logs it under; the GRPO toy-world demo trains on it
                           with toyworld:0 beside it, a weight of 0 logging a reward without training on it)
+  toyworld_motion         (no weights) videos of the toy world in time (fastvideo.toyworld.motion): every frame's
+                          colour, shape and count, and the motion; score = their mean; also logs
+                          toyworld_motion_strict/_color/_shape/_count/_motion
+  toyworld_motion_strict  (no weights) its strict check alone: 1 when every frame and the motion are right
   toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
                           score = mean of background fidelity, stray pixels and colour purity; also logs
                           toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
@@ -92,6 +96,9 @@ REWARDS: dict[str, BuiltinReward] = {
     "toyworld": BuiltinReward("fastvideo.rewards.toyworld", prompt_check="check_prompts"),
     "toyworld_clean": BuiltinReward("fastvideo.rewards.toyworld", "build_clean"),
     "toyworld_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_strict", prompt_check="check_prompts"),
+    "toyworld_motion": BuiltinReward("fastvideo.rewards.toyworld", "build_motion", prompt_check="check_motion_prompts"),
+    "toyworld_motion_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_motion_strict",
+                                            prompt_check="check_motion_prompts"),
 }
 # Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
 # build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
@@ -354,8 +361,8 @@ class RewardFn:
     def score_video(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Videos (B, F, 3, H, W): each component on the frames ``frame_index`` picks (one batch of B x N images, the
         prompt repeated per frame), reduced per video by ``frame_reduce``; a scorer that judges whole videos
-        (``scores_videos``: the VLM judge) gets the picked frames of each video together instead, ``VIDEO_FRAMES``
-        of them when --reward_frames is 0. "total" = the weighted sum of the components; plus ``frame_change``, the
+        (``scores_videos``: the VLM judge, the toy world's motion check) gets each video's frames together instead:
+        ``reward_frames`` evenly spaced ones, else its own ``video_frames`` (0: all). "total" = the weighted sum of the components; plus ``frame_change``, the
         mean absolute change between consecutive frames (all F), logged beside the reward and never trained on: a
         flicker or a frozen video shows in its curve."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -373,17 +380,14 @@ class RewardFn:
             reduce = {"mean": lambda v: v.mean(dim=1), "min": lambda v: v.min(dim=1).values}.get(
                 self.frame_reduce, lambda v: v[:, 0])
             out.update({key: reduce(value.view(B, N)) for key, value in scored.items() if key != "total"})
-        if whole:
-            from fastvideo.rewards.vlm_judge import VIDEO_FRAMES
-
-            index = frame_index(F, self.reward_frames or VIDEO_FRAMES, self.frame_reduce)
+        step = self.batch_size or B
+        for name, _, scorer in whole:  # their own frames: --reward_frames, else the scorer's video_frames (0: all)
+            index = frame_index(F, self.reward_frames or getattr(scorer, "video_frames", 0), "mean")
             clips = torch.stack([videos[:, i] for i in index.tolist()], dim=1)  # (B, N, 3, H, W)
-            step = self.batch_size or B
             with torch.no_grad():
-                for name, _, scorer in whole:
-                    chunks = [scorer.score_videos(clips[i:i + step], prompts[i:i + step]) for i in range(0, B, step)]
-                    result = chunks[0] if len(chunks) == 1 else _concat(chunks)
-                    out.update(self._entries(name, result, clips[:, 0], prompts))
+                chunks = [scorer.score_videos(clips[i:i + step], prompts[i:i + step]) for i in range(0, B, step)]
+            result = chunks[0] if len(chunks) == 1 else _concat(chunks)
+            out.update(self._entries(name, result, clips[:, 0], prompts))
         total = torch.zeros(B, dtype=torch.float32)
         for name, weight, _ in self.components:
             total = total + weight * out[name]
@@ -514,7 +518,8 @@ __all__ = ["JUDGE_SCORES", "REWARD_NAMES", "URL_REWARD_NAMES", "RewardFn", "Rewa
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean; weight 0 "
+                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean, toyworld_motion, "
+                                   "toyworld_motion_strict; weight 0 "
                                    "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
                                    "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "

@@ -9,6 +9,9 @@ plus ``"strict"`` (1 only when every check passes, GenEval's per-prompt accuracy
 clean the image is (plain background, no stray specks, pure object colours with hard edges). It returns ``"score"``
 (the mean of the three) plus ``"background"``, ``"stray"``, ``"purity"``, logged as ``toyworld_clean_<key>``; meant
 for ``--eval_reward``, to watch a run that trains on ``toyworld`` for reward hacking.
+
+``toyworld_motion`` / ``toyworld_motion_strict`` score videos of the toy world in time (``fastvideo.toyworld.motion``:
+"a red circle moving right"): every frame's colour, shape and count and the motion, on whole videos.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from typing import Sequence
 import torch
 
 from fastvideo.toyworld.clean import clean_batch
+from fastvideo.toyworld.motion import GRAMMAR as MOTION_GRAMMAR
+from fastvideo.toyworld.motion import parse_motion_prompt
+from fastvideo.toyworld.motion import score_videos as score_motion
 from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
 from fastvideo.toyworld.verify import score_batch
 
@@ -52,6 +58,62 @@ class CleanScorer:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         return {key: torch.from_numpy(value).float() for key, value in clean_batch(images).items()}
+
+
+class MotionScorer:
+    """``toyworld_motion``: videos (B, N, 3, H, W) of motion prompts -> ``{key: (B,) float32}`` for
+    ``motion.SCORE_KEYS`` (every frame's colour / shape / count and the motion; ``fastvideo.toyworld.motion``). A
+    whole-video scorer: ``RewardFn.score_video`` hands it every frame (``video_frames`` 0) unless --reward_frames."""
+
+    reward = "toyworld_motion"
+    scores_videos = True
+    video_frames = 0
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        raise ValueError(f"reward '{self.reward}' scores videos (motion): train a video model (--num_frames), not "
+                         f"images of shape {tuple(images.shape)}")
+
+    @torch.no_grad()
+    def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        try:
+            scores = score_motion(videos, prompts)
+        except ValueError as err:
+            raise ValueError(f"reward '{self.reward}' scores toy-world motion prompts only "
+                             f"(fastvideo.toyworld.motion.all_motion_prompts()): {err}") from None
+        return {key: torch.from_numpy(value).float() for key, value in scores.items()}
+
+
+class MotionStrictScorer(MotionScorer):
+    """``toyworld_motion_strict``: 1 when every frame and the motion are right, else 0, as a reward of its own."""
+
+    reward = "toyworld_motion_strict"
+
+    def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        return super().score_videos(videos, prompts)["strict"]
+
+
+def check_motion_prompts(prompts: Sequence[str], reward: str = "toyworld_motion") -> None:
+    """ValueError listing (up to 3 of) the prompts outside the motion grammar, with their line numbers."""
+    bad = []
+    for i, prompt in enumerate(prompts):
+        try:
+            parse_motion_prompt(prompt)
+        except ValueError:
+            bad.append(f"line {i + 1}: {prompt!r}")
+    if bad:
+        raise ValueError(f"reward '{reward}' scores toy-world motion prompts only, and {len(bad)} of {len(prompts)} "
+                         f"prompts are not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); follow the "
+                         f"grammar: {MOTION_GRAMMAR}")
+
+
+def build_motion(device: torch.device, **_: object) -> MotionScorer:
+    """Registry factory for ``toyworld_motion`` (CPU pixel analysis of every frame)."""
+    return MotionScorer()
+
+
+def build_motion_strict(device: torch.device, **_: object) -> MotionStrictScorer:
+    """Registry factory for ``toyworld_motion_strict``."""
+    return MotionStrictScorer()
 
 
 def check_prompts(prompts: Sequence[str], reward: str = "toyworld") -> None:

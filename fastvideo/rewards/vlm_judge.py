@@ -236,6 +236,8 @@ class VLMJudge:
     def __post_init__(self) -> None:
         self._next = itertools.count(self.first_replica)
 
+    video_frames = VIDEO_FRAMES  # frames per video request when --reward_frames is 0
+
     @property
     def scores_videos(self) -> bool:
         """Whether a video goes to the judge whole (its frames in one request: ``score_videos``) rather than frame by
