@@ -78,8 +78,9 @@ aten = torch.ops.aten
 ALLOWED_SYNCS: dict[str, str] = {
     "fastvideo/devices.py:synchronize":
         "twice per rollout micro-batch, after its sampling loop and after its decode: the phase timings",
-    "fastvideo/rewards/__init__.py:RewardFn.__call__":
-        "once per reward call: the scores come to the CPU (rewards are gathered and logged as CPU tensors); with "
+    "fastvideo/rewards/__init__.py:RewardFn._entries":
+        "once per reward component and call: its scores come to the CPU (rewards are gathered and logged as CPU "
+        "tensors); with "
         "--reward_overlap once per rollout micro-batch, on the scorer's thread and stream, not the sampling loop's",
     "fastvideo/rewards/__init__.py:RewardFn.score_video":
         "once per video reward call: the frame-change watch comes to the CPU beside the scores (logged, not trained)",

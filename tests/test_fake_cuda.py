@@ -115,7 +115,7 @@ def test_trace_covers_every_path(report: dict) -> None:
     assert expected <= set(report["paths"]), sorted(expected - set(report["paths"]))
     # --reward_overlap: the rollout's two micro-batches were scored on the scorer's worker thread, during the rollout
     assert report["scorer_threads"] == {"fastvideo-reward_0": 2}, report["scorer_threads"]
-    reward_call = "fastvideo/rewards/__init__.py:RewardFn.__call__"
+    reward_call = "fastvideo/rewards/__init__.py:RewardFn._entries"  # where each component's scores come to the CPU
     scored = {f["path"] for f in report["findings"] if f["site_key"] == reward_call}
     assert "overlap/grpo/lora/rollout" in scored and "overlap/grpo/lora/reward" not in scored, scored
     loops = {f["iteration"].split("[")[0] for f in report["attention"] if f["iteration"]}
