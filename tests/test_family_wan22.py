@@ -283,9 +283,9 @@ def _train(folder, root, name, *extra, nproc=2):
     return out, read_metrics(out / "metrics.jsonl")
 
 
-# the two Wan2.2 layouts through a real trainer on 2 ranks (~35 s): slow; their velocity calls, exports and FSDP
+# the two Wan2.2 layouts through a real trainer on 2 ranks (~45 s): slow; their velocity calls, exports and FSDP
 # routing are checked in the default tier above, and the pretend-CUDA harness traces every trainer on both
-@pytest.mark.slow(cover="test_family_wan22.py::test_a14b_routing_under_fsdp_on_two_ranks_that_disagree", cost_s=35)
+@pytest.mark.slow(cover="test_family_wan22.py::test_a14b_routing_under_fsdp_on_two_ranks_that_disagree", cost_s=45)
 def test_wan22_grpo_on_two_ranks_starts_on_policy_and_exports_what_the_pipeline_loads(a14b, ti2v, tmp_path):
     """GRPO with LoRA on both A14B experts (random trained timesteps: a micro-batch's samples on both sides of the
     boundary): ratio 1 at the first update, both experts' exports load in WanPipeline and change its videos; a full
