@@ -56,7 +56,7 @@ VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 @pytest.fixture(scope="module")
 def traces(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) -> dict[str, concurrent.futures.Future]:
     """Every trace of this module, two at a time: each is one single-threaded Python process (fake tensors compute
-    nothing), so two share the 2 cores without slowing each other (~55 s for the eight here; the six before ran ~100 s one after
+    nothing), so two share the 2 cores without slowing each other (~55 s for the eight; six took ~100 s one after
     another). FLUX.1's: every objective x variant and the SP path; every other family's (its tiny preset): GRPO, DPO
     and NFT with LoRA and true CFG 4.5, and as a CFG-free full fine-tune; no SP or overlap path (Wan: its SP 2 path).
     A family's failure fails only its tests."""
