@@ -36,8 +36,8 @@ def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> 
     return json.loads(out.read_text())
 
 
-# Every other family in the default tier (~17 s each, one process per family, two at a time): the FLUX.1 trace covers the
-# family-free code (rollout, replay, update, checkpoint, SP, --reward_overlap, the GRPO-Guard / Flow-DPPO / AWM
+# Every other family in the default tier (~17 s each, one process per family, two at a time): the FLUX.1 trace covers
+# the family-free code (rollout, replay, update, checkpoint, SP, --reward_overlap, the GRPO-Guard / Flow-DPPO / AWM
 # updates); these trace each family's own velocity call, encoders' row shapes and VAE in GRPO's rollout and replay,
 # DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
 # 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,

@@ -19,12 +19,12 @@ H = W = 64
 FRAMES = 5
 
 
-@pytest.fixture(scope="module")
-def ti2v(tmp_path_factory):
-    """The tiny TI2V folder, the stock pipeline with the Euler scheduler on its flow_shift, and the adapter's loads."""
+def _tiny_layout(build, folder) -> dict:
+    """A tiny Wan2.2 folder (``build(folder, seed=0)``), the stock pipeline with the Euler scheduler on its
+    flow_shift, and the adapter's loads."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    folder = wan_presets.build_tiny_ti2v(tmp_path_factory.mktemp("tiny-ti2v") / "model", seed=0)
+    folder = build(folder, seed=0)
     family = models.resolve("auto", folder)
     pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
@@ -32,6 +32,25 @@ def ti2v(tmp_path_factory):
     return {"folder": folder, "family": family, "pipe": pipe, "enc": family.load_text_encoders(folder),
             "transformer": family.load_transformer(folder), "vae": family.load_vae(folder),
             "geometry": family.latent_geometry(folder, H, W, FRAMES)}
+
+
+def _cfg_loop(family, transformer, enc, geometry, noise, steps, scale, folder):
+    """The adapter's CFG Euler loop on ``PROMPTS`` against the family's negative prompt: (latents, sigmas)."""
+    cond, _ = family.encode_prompts(enc, PROMPTS, TEXT_TOKENS)
+    uncond, _ = family.encode_prompts(enc, [family.defaults.negative_prompt] * 2, TEXT_TOKENS)
+    rows = {"prompt_embeds": torch.cat([cond["prompt_embeds"], uncond["prompt_embeds"]])}
+    shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
+    sigmas, x = family.sigmas(steps, geometry.seq_len, models.read_scheduler_config(folder)), noise
+    for i in range(steps):
+        v_cond, v_uncond = family.predict_velocity(transformer, torch.cat([x, x]), sigmas[i], rows, shared).chunk(2)
+        x = x + (sigmas[i + 1] - sigmas[i]) * family.combine_guidance(v_cond, v_uncond, scale)
+    return x, sigmas
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory):
+    """The tiny TI2V layout (``_tiny_layout``)."""
+    return _tiny_layout(wan_presets.build_tiny_ti2v, tmp_path_factory.mktemp("tiny-ti2v") / "model")
 
 
 def test_the_ti2v_layout_loads_with_a_timestep_per_token(ti2v, tmp_path):
@@ -64,15 +83,7 @@ def test_adapter_euler_cfg_loop_equals_the_stock_pipeline(ti2v):
         videos = pipe(PROMPTS, negative_prompt="", latents=wan.unpack_video(noise, geometry),
                       num_inference_steps=steps, guidance_scale=scale, output_type="pt", height=H, width=W,
                       num_frames=FRAMES, max_sequence_length=TEXT_TOKENS).frames
-        cond, _ = family.encode_prompts(ti2v["enc"], PROMPTS, TEXT_TOKENS)
-        uncond, _ = family.encode_prompts(ti2v["enc"], [family.defaults.negative_prompt] * 2, TEXT_TOKENS)
-        rows = {"prompt_embeds": torch.cat([cond["prompt_embeds"], uncond["prompt_embeds"]])}
-        shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
-        sigmas, x = family.sigmas(steps, geometry.seq_len, models.read_scheduler_config(ti2v["folder"])), noise
-        for i in range(steps):
-            v_cond, v_uncond = family.predict_velocity(ti2v["transformer"], torch.cat([x, x]), sigmas[i], rows,
-                                                       shared).chunk(2)
-            x = x + (sigmas[i + 1] - sigmas[i]) * family.combine_guidance(v_cond, v_uncond, scale)
+        x, _ = _cfg_loop(family, ti2v["transformer"], ti2v["enc"], geometry, noise, steps, scale, ti2v["folder"])
         ours = family.decode(ti2v["vae"], x, geometry, micro_batch=2)
     diff = (ours - videos).abs().max().item() * 255
     print(f"sampling max |diff| x 255 = {diff:.3g}")
@@ -81,8 +92,9 @@ def test_adapter_euler_cfg_loop_equals_the_stock_pipeline(ti2v):
     assert (videos[0] - videos[1]).abs().mean() > 0.02  # the prompt changes the video
     # the per-token timestep is what the pipeline passes: a scalar one differs in the last bits at most
     x0 = noise[:1]
-    one = {"prompt_embeds": cond["prompt_embeds"][:1]}
     with torch.no_grad():
+        one = {"prompt_embeds": family.encode_prompts(ti2v["enc"], PROMPTS[:1], TEXT_TOKENS)[0]["prompt_embeds"]}
+        shared = family.conditioning(geometry, one, None, torch.device("cpu"))
         per_token = family.predict_velocity(ti2v["transformer"], x0, torch.tensor(0.6), one, shared)
         scalar_model = copy.deepcopy(ti2v["transformer"])
         scalar_model.register_to_config(_expand_timesteps=False)
@@ -121,29 +133,8 @@ def test_ti2v_flops_equal_the_counter(ti2v):
 # ------------------------------------------------------------------------------------------------ Wan2.2-T2V-A14B
 @pytest.fixture(scope="module")
 def a14b(tmp_path_factory):
-    """The tiny two-expert folder, the stock pipeline with the Euler scheduler, and the adapter's loads."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-
-    folder = wan_presets.build_tiny_a14b(tmp_path_factory.mktemp("tiny-a14b") / "model", seed=0)
-    family = models.resolve("auto", folder)
-    pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)
-    pipe.set_progress_bar_config(disable=True)
-    return {"folder": folder, "family": family, "pipe": pipe, "enc": family.load_text_encoders(folder),
-            "transformer": family.load_transformer(folder), "vae": family.load_vae(folder),
-            "geometry": family.latent_geometry(folder, H, W, FRAMES)}
-
-
-def _cfg_loop(family, transformer, enc, geometry, noise, steps, scale, folder):
-    cond, _ = family.encode_prompts(enc, PROMPTS, TEXT_TOKENS)
-    uncond, _ = family.encode_prompts(enc, [family.defaults.negative_prompt] * 2, TEXT_TOKENS)
-    rows = {"prompt_embeds": torch.cat([cond["prompt_embeds"], uncond["prompt_embeds"]])}
-    shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
-    sigmas, x = family.sigmas(steps, geometry.seq_len, models.read_scheduler_config(folder)), noise
-    for i in range(steps):
-        v_cond, v_uncond = family.predict_velocity(transformer, torch.cat([x, x]), sigmas[i], rows, shared).chunk(2)
-        x = x + (sigmas[i + 1] - sigmas[i]) * family.combine_guidance(v_cond, v_uncond, scale)
-    return x, sigmas
+    """The tiny two-expert layout (``_tiny_layout``)."""
+    return _tiny_layout(wan_presets.build_tiny_a14b, tmp_path_factory.mktemp("tiny-a14b") / "model")
 
 
 def test_a14b_sampling_switches_experts_as_the_stock_pipeline(a14b):

@@ -284,11 +284,8 @@ class Wan(ModelFamily):
         Wan2.2-TI2V-5B: the pipeline's ``expand_timesteps`` (a timestep per video token) recorded as the private
         config key ``_expand_timesteps`` (diffusers drops ``_`` keys when loading a config; exports strip them)."""
         pipeline = _pipeline_config(_pipeline_folder(path))
-        folders = [self.transformer_folder(path)]
-        if pipeline.get("boundary_ratio") is not None:
-            folders.append(Path(path).expanduser() / "transformer_2")
         parts = []
-        for folder in folders:
+        for folder in self.weight_folders(path).values():
             model = make(folder)
             keep_attention_dtype(model)
             if pipeline.get("expand_timesteps"):

@@ -93,11 +93,12 @@ class WanExperts(nn.Module, PeftAdapterMixin):
         host = torch.cat([wanted, high.to(torch.int32)]).cpu().tolist()  # the one host sync (module docstring)
         needed, high = [bool(v) for v in host[:2]], [bool(v) for v in host[2:]]
         rows = ([i for i, h in enumerate(high) if h], [i for i, h in enumerate(high) if not h])
-        trainable = [any(p.requires_grad for p in e.parameters()) for e in self.experts()]
-        if torch.is_grad_enabled() and any(trainable) and not any(n and t for n, t in zip(needed, trainable)):
-            # --train_experts: a call only the frozen expert serves would give a loss without a graph (every rank
-            # alike: ``needed`` is agreed); the trained expert joins on its stand-in row and gets zero gradients
-            needed[trainable.index(True)] = True
+        if torch.is_grad_enabled():  # (no-grad calls, e.g. the rollout's, skip the parameter scan)
+            trainable = [any(p.requires_grad for p in e.parameters()) for e in self.experts()]
+            if any(trainable) and not any(n and t for n, t in zip(needed, trainable)):
+                # --train_experts: a call only the frozen expert serves would give a loss without a graph (every
+                # rank alike: ``needed`` is agreed); the trained expert joins on its stand-in row, zero gradients
+                needed[trainable.index(True)] = True
         outputs, order, zero = [], [], None
         for expert, mine, need in zip(self.experts(), rows, needed):
             if not need:

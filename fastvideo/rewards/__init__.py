@@ -362,9 +362,9 @@ class RewardFn:
         """Videos (B, F, 3, H, W): each component on the frames ``frame_index`` picks (one batch of B x N images, the
         prompt repeated per frame), reduced per video by ``frame_reduce``; a scorer that judges whole videos
         (``scores_videos``: the VLM judge, the toy world's motion check) gets each video's frames together instead:
-        ``reward_frames`` evenly spaced ones, else its own ``video_frames`` (0: all). "total" = the weighted sum of the components; plus ``frame_change``, the
-        mean absolute change between consecutive frames (all F), logged beside the reward and never trained on: a
-        flicker or a frozen video shows in its curve."""
+        ``reward_frames`` evenly spaced ones, else its own ``video_frames`` (0: all). "total" = the weighted sum of
+        the components; plus ``frame_change``, the mean absolute change between consecutive frames (all F), logged
+        beside the reward and never trained on: a flicker or a frozen video shows in its curve."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         B, F = videos.shape[:2]
         if len(prompts) != B:
@@ -518,8 +518,8 @@ __all__ = ["JUDGE_SCORES", "REWARD_NAMES", "URL_REWARD_NAMES", "RewardFn", "Rewa
 class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
-                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean, toyworld_motion, "
-                                   "toyworld_motion_strict; weight 0 "
+                                   "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean, "
+                                   "toyworld_motion, toyworld_motion_strict; weight 0 "
                                    "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
                                    "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "

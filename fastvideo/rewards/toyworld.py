@@ -15,7 +15,7 @@ for ``--eval_reward``, to watch a run that trains on ``toyworld`` for reward hac
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -94,16 +94,23 @@ class MotionStrictScorer(MotionScorer):
 
 def check_motion_prompts(prompts: Sequence[str], reward: str = "toyworld_motion") -> None:
     """ValueError listing (up to 3 of) the prompts outside the motion grammar, with their line numbers."""
+    _refuse_unparsed(prompts, parse_motion_prompt, reward, "toy-world motion",
+                     f"follow the grammar: {MOTION_GRAMMAR}")
+
+
+def _refuse_unparsed(prompts: Sequence[str], parse: Callable[[str], object], reward: str, kind: str,
+                     fix: str) -> None:
+    """ValueError naming ``reward`` and (up to 3 of) the prompts ``parse`` refuses, with their line numbers, then
+    ``fix``."""
     bad = []
     for i, prompt in enumerate(prompts):
         try:
-            parse_motion_prompt(prompt)
+            parse(prompt)
         except ValueError:
             bad.append(f"line {i + 1}: {prompt!r}")
     if bad:
-        raise ValueError(f"reward '{reward}' scores toy-world motion prompts only, and {len(bad)} of {len(prompts)} "
-                         f"prompts are not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); follow the "
-                         f"grammar: {MOTION_GRAMMAR}")
+        raise ValueError(f"reward '{reward}' scores {kind} prompts only, and {len(bad)} of {len(prompts)} prompts are "
+                         f"not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); {fix}")
 
 
 def build_motion(device: torch.device, **_: object) -> MotionScorer:
@@ -119,16 +126,8 @@ def build_motion_strict(device: torch.device, **_: object) -> MotionStrictScorer
 def check_prompts(prompts: Sequence[str], reward: str = "toyworld") -> None:
     """ValueError listing (up to 3 of) the prompts outside the toy-world grammar, with their line numbers, naming
     ``reward`` (toyworld or toyworld_strict)."""
-    bad = []
-    for i, prompt in enumerate(prompts):
-        try:
-            parse_prompt(prompt)
-        except ValueError:
-            bad.append(f"line {i + 1}: {prompt!r}")
-    if bad:
-        raise ValueError(f"reward '{reward}' scores toy-world prompts only, and {len(bad)} of {len(prompts)} prompts "
-                         f"are not ({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}); train on the prompt files "
-                         f"of `python -m fastvideo.toyworld prompts` or follow the grammar: {GRAMMAR}")
+    _refuse_unparsed(prompts, parse_prompt, reward, "toy-world", "train on the prompt files of `python -m "
+                     f"fastvideo.toyworld prompts` or follow the grammar: {GRAMMAR}")
 
 
 def build(device: torch.device, **_: object) -> ToyWorldScorer:

@@ -361,6 +361,6 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
                     video_template=video_template)
 
 
-__all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "api_base", "build", "check_prompts", "levenshtein",
-           "load_template", "ocr_score", "ocr_target", "parse_number", "read_reply", "served_models",
+__all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "api_base", "build",
+           "check_prompts", "levenshtein", "load_template", "ocr_score", "ocr_target", "parse_number", "read_reply", "served_models",
            "yes_no_from_logprobs", "yes_no_from_text"]
