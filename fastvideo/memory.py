@@ -554,6 +554,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     if compare_checkpointing:
         items.append(PlanItem(f"  (the same {'without' if used else 'with'} gradient checkpointing)", act[not used],
                               phase="not used", note="not counted"))
+    if hasattr(model, "experts"):  # Wan2.2-A14B: a rank without rows for an expert another rank runs (a batch
+        # of mixed timesteps) runs it on one stand-in row, whose graph lives beside its own rows' until the backward
+        sim.enable_gradient_checkpointing() if used else sim.disable_gradient_checkpointing()  # as trained
+        items.append(PlanItem("experts: one stand-in row through the other expert", transformer_activation_bytes(
+            sim, 1, Ls, Ts, cdt, train=True), phase="train", note="when ranks route a micro-batch differently"))
     if reference or old_policy:
         no_grad = transformer_activation_bytes(sim, micro, Ls, Ts, cdt, train=False)
         name = " / ".join(n for n, on in (("reference", reference), ("old-policy", old_policy)) if on)

@@ -313,3 +313,20 @@ def test_wan22_grpo_on_two_ranks_starts_on_policy_and_exports_what_the_pipeline_
     assert len(rows) == 1 and rows[0]["ratio_first_update_max_dev"] < 1e-5, rows[0]
     pipe = WanPipeline.from_pretrained(ti2v["folder"], local_files_only=True)
     pipe.load_lora_weights(out / "final")
+
+
+def test_a14b_plan_holds_a_stand_in_row_of_the_other_expert(a14b):
+    """The planner (GRPO, LoRA, world size 8) adds one row's activations of an expert beside the micro-batch's: a
+    rank whose rows all belong to one expert runs the other on a stand-in row when another rank needs it, and both
+    graphs live until the backward."""
+    from fastvideo.memory import plan_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
+
+    args = parse_grpo_args(["--pretrained_model_name_or_path", str(a14b["folder"]), "--dry_run", "--h", str(H),
+                            "--w", str(W), "--num_frames", str(FRAMES), "--lora_rank", "4", "--cfg_scale", "5",
+                            "--train_batch_size", "1", "--prompts_per_step", "8", "--num_generations", "4"])
+    plan = plan_grpo(args, validate_grpo(args, 8), 8, "cuda")
+    items = {i.name: i for i in plan.items}
+    stand_in = items["experts: one stand-in row through the other expert"]
+    trained = next(i for name, i in items.items() if name.startswith("activations, micro-batch of 2"))
+    assert stand_in.phase == "train" and 0 < stand_in.device < trained.device  # one row of the CFG pair's two
