@@ -6,7 +6,8 @@ setup(
     version="0.1.0",
     description="GRPO, Diffusion-DPO and DiffusionNFT post-training for FLUX flow-matching models",
     packages=find_packages(include=["fastvideo", "fastvideo.*"]),
-    package_data={"fastvideo.toyworld": ["weights/*.json", "weights/*/*"]},  # the pretrained toy FLUX
+    # the pretrained toy FLUX (weights/) and toy Wan (weights_video/)
+    package_data={"fastvideo.toyworld": ["weights/*.json", "weights/*/*", "weights_video/*.json", "weights_video/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6,<=2.14.1",

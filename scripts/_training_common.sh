@@ -2,10 +2,12 @@
 # check for real embeddings, and the launch itself (torchrun, or one process for --dry_run). Not a launcher itself.
 PYTHON=${PYTHON:-python}
 DATA_DIR=${DATA_DIR:-data}
-DEMO=${DEMO:-toyworld}  # without MODEL_PATH: toyworld (prompt following on the toy world) | jpeg (tiny FLUX, JPEG size)
+# without MODEL_PATH: toyworld (prompt following on the toy world) | jpeg (tiny FLUX, JPEG size) | video (motion
+# prompts on the toy world in time, GRPO only)
+DEMO=${DEMO:-toyworld}
 case "$DEMO" in
-  toyworld|jpeg) ;;
-  *) echo "DEMO=$DEMO: choose DEMO=toyworld (default) or DEMO=jpeg" >&2; exit 1 ;;
+  toyworld|jpeg|video) ;;
+  *) echo "DEMO=$DEMO: choose DEMO=toyworld (default), DEMO=jpeg or DEMO=video (GRPO)" >&2; exit 1 ;;
 esac
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -55,6 +57,45 @@ toy_data() {
   EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-heldout/manifest.json}
   TOY_ARGS=(--config scripts/demos/toyworld.yaml --pretrained_model_name_or_path "$MODEL" --data_json_path "$DATA_JSON"
             --eval_prompts "$EVAL_JSON")
+}
+
+# The toy world in time (DEMO=video, no MODEL_PATH): the pretrained toy Wan (from the shipped weights; TOY_PRETRAIN=1
+# trains it from scratch), the motion prompts' train / held-out files and their embeddings, each built in DATA_DIR if
+# absent. Sets MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE and TOY_ARGS (scripts/demos/toyworld_video.yaml, the model
+# and the prompts).
+toy_video_data() {
+  MODEL=$DATA_DIR/toy-wan
+  NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+  if [ ! -f "$MODEL/model_index.json" ]; then
+    if [ "${TOY_PRETRAIN:-0}" = 1 ]; then
+      "$PYTHON" -m fastvideo.toyworld pretrain-video --out "$MODEL"
+    else
+      "$PYTHON" -m fastvideo.toyworld build-video --out "$MODEL"
+    fi
+  fi
+  local prompts=$DATA_DIR/toyworld-motion-prompts split
+  if [ ! -f "$prompts/motion_heldout.txt" ]; then
+    "$PYTHON" -m fastvideo.toyworld motion-prompts --out "$prompts"
+  fi
+  for split in train heldout; do
+    if [ ! -f "$DATA_DIR/toyworld-motion-$split/manifest.json" ]; then
+      MODEL_PATH=$MODEL PROMPT_FILE=$prompts/motion_$split.txt \
+        DATA_JSON=$DATA_DIR/toyworld-motion-$split/manifest.json NPROC_PER_NODE=1 NNODES=1 MASTER_PORT= \
+        bash scripts/preprocess_flux_embeddings.sh --max_sequence_length 16
+    fi
+  done
+  DATA_JSON=${DATA_JSON:-$DATA_DIR/toyworld-motion-train/manifest.json}
+  EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-motion-heldout/manifest.json}
+  TOY_ARGS=(--config scripts/demos/toyworld_video.yaml --pretrained_model_name_or_path "$MODEL"
+            --data_json_path "$DATA_JSON" --eval_prompts "$EVAL_JSON")
+}
+
+# GRPO-only demos stop here in the other launchers (call with the launcher's name).
+grpo_only_demo() {
+  if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = video ]; then
+    echo "DEMO=video is a GRPO demo: run DEMO=video bash scripts/finetune_flux_grpo.sh ($1 has no video demo)" >&2
+    exit 1
+  fi
 }
 
 # family_recipe TRAINER (grpo | dpo | dpo_offline | nft): the default recipe of MODEL_PATH's model family (FLUX.1:

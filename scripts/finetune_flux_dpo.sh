@@ -27,6 +27,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PREFERENCE_FILE=${PREFERENCE_FILE:-}
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
+grpo_only_demo finetune_flux_dpo.sh
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ] && [ -z "$PREFERENCE_FILE" ]; then
   # Toy-world default: online DPO of the pretrained toy FLUX (best vs worst of each prompt's samples under the

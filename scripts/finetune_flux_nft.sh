@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_training_common.sh  # env defaults, demo_data, real_data, launch
+grpo_only_demo finetune_flux_nft.sh
 
 if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = toyworld ]; then
   # Toy-world default: DiffusionNFT of the pretrained toy FLUX on the verifiable toyworld strict check, held-out

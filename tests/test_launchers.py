@@ -63,6 +63,28 @@ def test_grpo_launcher_builds_the_toy_world_and_trains(tmp_path_factory):
     assert "metrics: " in output and "export: " in output
 
 
+@pytest.mark.slow(cover="test_toyworld_pretrain_video.py::test_shipped_folder_loads_in_wanpipeline_and_the_cli_builds_"
+                        "it", cost_s=1)
+def test_grpo_launcher_video_demo(tmp_path_factory):
+    """docs/video.md's DEMO=video block (2 steps): the toy Wan (shipped weights), the motion prompt splits and their
+    embeddings built in data/; GRPO on the motion reward, held-out motion accuracy evaluated before step 1 and after
+    the last step, the export written."""
+    workspace, output = doc_workspace("video-demo", tmp_path_factory)
+    data, out = workspace / "data", workspace / "outputs" / "grpo-toyworld-video"
+    assert (data / "toy-wan" / "toyworld.json").is_file()
+    for split, count in (("train", 188), ("heldout", 64)):
+        manifest = json.loads((data / f"toyworld-motion-{split}" / "manifest.json").read_text())
+        assert manifest["num_prompts"] == count and manifest["max_sequence_length"] == 16
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/reward_toyworld_motion_strict" in rows[0] and "eval/reward_toyworld_motion_strict" in rows[2]
+    config = json.loads((out / "config.json").read_text())
+    assert config["reward"] == "toyworld_motion:1.0,toyworld_motion_strict:0.0" and config["num_frames"] == 5
+    assert abs(rows[1]["reward_mean"] - rows[1]["reward_toyworld_motion"]) < 1e-6 and "reward_frame_change" in rows[1]
+    assert abs(rows[1]["ratio_mean"] - 1.0) < 1e-4  # on-policy at the first update
+    assert (out / "final" / "diffusion_pytorch_model.safetensors").is_file() and "metrics: " in output
+
+
 def test_grpo_launcher_jpeg_demo(tmp_path_factory):
     """README's DEMO=jpeg block (2 steps, then the plot): the tiny FLUX and its embeddings built in an empty data/,
     GRPO run to completion through the launcher (its flag check, torchrun, training, export), its curves drawn."""
@@ -84,7 +106,11 @@ def test_launchers_refuse_an_unknown_demo(tmp_path, demo_data_dir):
     for script in LAUNCHERS:
         proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="jpg"),
                               capture_output=True, text=True, timeout=60)
-        assert proc.returncode != 0 and "DEMO=toyworld (default) or DEMO=jpeg" in proc.stderr
+        assert proc.returncode != 0 and "DEMO=toyworld (default), DEMO=jpeg or DEMO=video (GRPO)" in proc.stderr
+    for script in ("scripts/finetune_flux_dpo.sh", "scripts/finetune_flux_nft.sh"):  # the video demo is GRPO's
+        proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="video"),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and "DEMO=video bash scripts/finetune_flux_grpo.sh" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -1,5 +1,7 @@
-"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures}``: the toy FLUX from the shipped weights or trained
-from scratch, the prompt splits as files, and what the verifier's failures are in sample.py's output folders."""
+"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures,build-video,pretrain-video,motion-prompts}``: the toy
+FLUX from the shipped weights or trained from scratch, the prompt splits as files, what the verifier's failures are in
+sample.py's output folders; the toy Wan of the toy world in time (shipped or trained from scratch) and its prompt
+splits."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fastvideo.toyworld.motion import write_motion_prompt_files
 from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
+from fastvideo.toyworld.pretrain_video import VideoPretrainConfig
+from fastvideo.toyworld.pretrain_video import build_from_shipped as build_video_from_shipped
+from fastvideo.toyworld.pretrain_video import pretrain as pretrain_video
 from fastvideo.toyworld.scenes import SceneSpec, is_heldout, parse_prompt, write_prompt_files
 from fastvideo.toyworld.verify import FAILURE_MODES, failure_modes
 
@@ -20,7 +26,16 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
     p.add_argument("--eval_every", type=int, default=0, help="also log a 128-prompt evaluation of the EMA every N "
                    "transformer steps (0 = only the final one; does not change the weights)")
-    for f in dataclasses.fields(PretrainConfig):
+    _config_flags(p, PretrainConfig)
+    p = sub.add_parser("pretrain-video", help="train the toy Wan (video VAE + transformer) on the toy world in time "
+                       "(fastvideo.toyworld.motion) from scratch (~18 min on 2 cores)")
+    p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
+    _config_flags(p, VideoPretrainConfig)
+
+
+def _config_flags(p: argparse.ArgumentParser, config: type) -> None:
+    """One flag per field of a pretraining config dataclass, with its default."""
+    for f in dataclasses.fields(config):
         kind = type(f.default)
         if kind is bool:
             p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
@@ -98,10 +113,16 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="write the toy FLUX folder from the shipped pretrained weights (seconds)")
     p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
+    p = sub.add_parser("build-video", help="write the toy Wan folder (the toy world in time) from the shipped "
+                       "pretrained weights (seconds)")
+    p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
     _pretrain_parser(sub)
     p = sub.add_parser("prompts", help="write train.txt / heldout.txt prompt files (seeded order)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the line order")
+    p = sub.add_parser("motion-prompts", help="write the toy world in time's motion_train.txt / motion_heldout.txt "
+                       "(grammar order)")
+    p.add_argument("--out", required=True, help="output folder")
     p = sub.add_parser("failures", help="the share of right images and of each failure mode (colour swap, shape "
                        "swap, count swap, relation flipped, other) in sample.py output folders")
     p.add_argument("folders", nargs="+", type=Path, help="sample.py --output_dir folders (index.jsonl + images)")
@@ -119,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, path in write_prompt_files(args.out, args.seed).items():
             print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")
         return
+    if args.command == "motion-prompts":
+        for name, path in write_motion_prompt_files(args.out).items():
+            print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")
+        return
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -127,11 +152,20 @@ def main(argv: list[str] | None = None) -> None:
         path = build_from_shipped(out)
         print(f"toy FLUX: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
         return
-    fields = {f.name for f in dataclasses.fields(PretrainConfig)}
+    if args.command == "build-video":
+        path = build_video_from_shipped(out)
+        print(f"toy Wan: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+        return
+    config = VideoPretrainConfig if args.command == "pretrain-video" else PretrainConfig
+    fields = {f.name for f in dataclasses.fields(config)}
     try:
-        cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        cfg = config(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as err:
         sys.exit(str(err))
+    if args.command == "pretrain-video":
+        path = pretrain_video(out, cfg, log=lambda msg: print(msg, flush=True))
+        print(f"toy Wan: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+        return
     path = pretrain(out, cfg, log=lambda msg: print(msg, flush=True), eval_every=args.eval_every)
     print(f"toy FLUX: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
 

@@ -32,6 +32,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -133,6 +134,17 @@ def split_motion_prompts() -> tuple[list[str], list[str]]:
     """(train, held-out) prompts, each in ``all_motion_prompts`` order."""
     prompts = all_motion_prompts()
     return [p for p in prompts if not is_heldout(p)], [p for p in prompts if is_heldout(p)]
+
+
+def write_motion_prompt_files(out_dir: str | Path) -> dict[str, Path]:
+    """``motion_train.txt`` and ``motion_heldout.txt`` (one prompt per line, grammar order) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, prompts in zip(("motion_train", "motion_heldout"), split_motion_prompts()):
+        paths[name] = out / f"{name}.txt"
+        paths[name].write_text("\n".join(prompts) + "\n")
+    return paths
 
 
 # ------------------------------------------------------------------------------------------------- rendering

@@ -210,10 +210,21 @@ def encode_text(encoders: flux.TextEncoders, prompts: list[str], text_len: int) 
 
 
 def _lr_at(cfg: PretrainConfig, step: int) -> float:
+    """Linear warm-up over ``cfg.warmup`` steps, then cosine decay to 10% at ``cfg.steps`` (any config with ``lr``,
+    ``warmup`` and ``steps``: the video pretraining's too)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@torch.no_grad()
+def ema_step(ema: torch.nn.Module, model: torch.nn.Module, step: int, decay: float) -> None:
+    """The EMA of ``model``'s weights after optimizer step ``step`` (0-based), with the decay warmed up as
+    ``min(decay, (1 + step) / (10 + step))`` so the first steps are not averaged with the random init."""
+    d = min(decay, (1 + step) / (10 + step))
+    for pe, pm in zip(ema.parameters(), model.parameters()):
+        pe.lerp_(pm, 1 - d)
 
 
 def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor,
@@ -259,10 +270,7 @@ def train_transformer(cfg: PretrainConfig, latents: torch.Tensor, embeds: torch.
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        with torch.no_grad():
-            decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
+        ema_step(ema, model, step, cfg.ema_decay)
         if digests is not None and step + 1 == PREFIX_STEPS:
             digests["transformer_prefix"] = weights_digest(ema)
         if progress is not None and progress_every and (step + 1) % progress_every == 0 and step + 1 < cfg.steps:
