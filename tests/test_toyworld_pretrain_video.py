@@ -33,6 +33,12 @@ def test_config_is_checked():
         VideoPretrainConfig(size=36)
     with pytest.raises(ValueError, match="2k \\+ 1"):
         VideoPretrainConfig(frames=4)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        VideoPretrainConfig(steps=0)
+    with pytest.raises(ValueError, match=r"cond_dropout must be in \[0, 1\)"):
+        VideoPretrainConfig(cond_dropout=1.0)
+    with pytest.raises(ValueError, match="vae_object_weight must be >= 0"):
+        VideoPretrainConfig(vae_object_weight=-1.0)
 
 
 def test_object_mask_covers_the_objects_and_a_one_pixel_ring():

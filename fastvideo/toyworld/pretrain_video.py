@@ -83,6 +83,17 @@ class VideoPretrainConfig:
         if self.frames < 3 or (self.frames - 1) % 2:
             raise ValueError(f"frames must be 2k + 1 >= 3 (the VAE halves time after the first frame), got "
                              f"{self.frames}")
+        for name in ("num_videos", "vae_steps", "vae_batch", "steps", "batch", "heads", "layers", "ffn_dim",
+                     "text_len", "sample_steps", "eval_prompts", "latent_channels", "vae_base_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.cond_dropout < 1:
+            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
+        if self.vae_object_weight < 0:
+            raise ValueError(f"vae_object_weight must be >= 0 (0: plain MSE), got {self.vae_object_weight}")
+        if self.head_dim < 8 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be even and >= 8 (Wan's rotary embedding splits it over time, height "
+                             f"and width), got {self.head_dim}")
 
 
 def _gen(cfg: VideoPretrainConfig, phase: str) -> torch.Generator:
