@@ -28,7 +28,7 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
                    "transformer steps (0 = only the final one; does not change the weights)")
     _config_flags(p, PretrainConfig)
     p = sub.add_parser("pretrain-video", help="train the toy Wan (video VAE + transformer) on the toy world in time "
-                       "(fastvideo.toyworld.motion) from scratch (~18 min on 2 cores)")
+                       "(fastvideo.toyworld.motion) from scratch (~17 min on 2 cores)")
     p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
     _config_flags(p, VideoPretrainConfig)
 

@@ -16,7 +16,7 @@ thread count):
    the empty prompt for ``cond_dropout`` of the videos: true CFG), AdamW with warm-up and cosine decay, EMA.
 5. **Eval**: ODE samples of train and held-out prompts scored by the motion verifier (``eval.json``).
 
-``python -m fastvideo.toyworld pretrain-video --out DIR`` runs it (~18 minutes on 2 cores); the default config's
+``python -m fastvideo.toyworld pretrain-video --out DIR`` runs it (~17 minutes on 2 cores); the default config's
 weights ship in ``SHIPPED`` and ``build-video`` (``build_from_shipped``) writes the folder from them in seconds.
 """
 from __future__ import annotations
