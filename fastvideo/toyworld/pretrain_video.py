@@ -102,8 +102,7 @@ def _gen(cfg: VideoPretrainConfig, phase: str) -> torch.Generator:
     return g
 
 
-def build_vae(cfg: VideoPretrainConfig, latents_mean: list[float] | None = None,
-              latents_std: list[float] | None = None):
+def build_vae(cfg: VideoPretrainConfig):
     """An ``AutoencoderKLWan`` 4x in space (two downsamplings), 2x in time, ``latent_channels`` channels."""
     from diffusers import AutoencoderKLWan  # heavy
 
@@ -111,7 +110,7 @@ def build_vae(cfg: VideoPretrainConfig, latents_mean: list[float] | None = None,
     c = cfg.latent_channels
     return AutoencoderKLWan(base_dim=cfg.vae_base_dim, z_dim=c, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
                             temperal_downsample=[False, True], dropout=0.0,
-                            latents_mean=latents_mean or [0.0] * c, latents_std=latents_std or [1.0] * c,
+                            latents_mean=[0.0] * c, latents_std=[1.0] * c,
                             scale_factor_spatial=4, scale_factor_temporal=2)
 
 
@@ -166,11 +165,9 @@ def train_vae(cfg: VideoPretrainConfig, videos: torch.Tensor, log: Callable[[str
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         z = torch.cat([vae.encode(c.permute(0, 2, 1, 3, 4) * 2 - 1).latent_dist.mode() for c in videos[:512].split(64)])
-    mean = [round(float(v), 6) for v in z.mean(dim=(0, 2, 3, 4))]
-    std = [round(float(v), 6) for v in z.std(dim=(0, 2, 3, 4))]
-    trained = build_vae(cfg, mean, std)
-    trained.load_state_dict(vae.state_dict())
-    return trained.eval().requires_grad_(False)
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in z.mean(dim=(0, 2, 3, 4))],
+                           latents_std=[round(float(v), 6) for v in z.std(dim=(0, 2, 3, 4))])
+    return vae
 
 
 def train_transformer(cfg: VideoPretrainConfig, latents: torch.Tensor, embeds: torch.Tensor, null: torch.Tensor,
