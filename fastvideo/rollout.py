@@ -247,15 +247,17 @@ def rollout_sigmas(family: Any, cfg: RolloutConfig, image_seq_len: int) -> torch
 
 def batch_cond(family: Any, batch: dict, cfg_scale: float) -> dict[str, torch.Tensor]:
     """The embeddings a velocity call takes from ``batch``: the family's ``embedding_keys`` and, with
-    ``cfg_scale > 1``, the ``negative_<key>`` rows (``EmbeddingDataset.use(family, negative=True)``)."""
+    ``cfg_scale > 1``, the ``negative_<key>`` rows of its text keys (``EmbeddingDataset.use(family, negative=True)``;
+    an edit family's ``condition_keys`` serve both branches)."""
     keys = list(family.embedding_keys)
     if cfg_scale > 1:
-        missing = [k for k in keys if f"negative_{k}" not in batch]
+        text = [k for k in keys if k not in family.condition_keys]
+        missing = [k for k in text if f"negative_{k}" not in batch]
         if missing:
             raise ValueError(f"--cfg_scale {cfg_scale} needs the negative prompt's embeddings in the batch (missing "
                              f"negative_{missing[0]}): preprocess with --negative_prompt and open the dataset with "
                              "dataset.use(family, negative=True)")
-        keys += [f"negative_{k}" for k in family.embedding_keys]
+        keys += [f"negative_{k}" for k in text]
     return {k: batch[k] for k in keys}
 
 
@@ -263,12 +265,13 @@ def guided_velocity(family: Any, transformer: torch.nn.Module, x: torch.Tensor, 
                     cond: dict[str, torch.Tensor], shared: dict[str, Any], cfg_scale: float = 1.0) -> torch.Tensor:
     """The velocity (b, L, C) float32 every sampler, replay and loss evaluates: the model's, or with ``cfg_scale > 1``
     true classifier-free guidance (``family.combine_guidance``) from ONE batched forward of 2b rows (conditional,
-    then the ``negative_<key>`` rows of ``cond``), as Flow-GRPO's SD3 sampler and training forward do. ``sigma``:
-    0-d or (b,) on the device. Call it under the caller's autocast."""
+    then the ``negative_<key>`` rows of ``cond``; an edit's source rows in both halves, as FluxKontextPipeline's two
+    calls), as Flow-GRPO's SD3 sampler and training forward do. ``sigma``: 0-d or (b,) on the device. Call it under
+    the caller's autocast."""
     keys = family.embedding_keys
     if cfg_scale == 1:
         return family.predict_velocity(transformer, x, sigma, {k: cond[k] for k in keys}, shared).float()
-    both = {k: torch.cat([cond[k], cond[f"negative_{k}"]]) for k in keys}
+    both = {k: torch.cat([cond[k], cond[k if k in family.condition_keys else f"negative_{k}"]]) for k in keys}
     sigma2 = sigma if sigma.ndim == 0 else torch.cat([sigma, sigma])
     v = family.predict_velocity(transformer, torch.cat([x, x]), sigma2, both, shared).float()
     v_cond, v_uncond = v.chunk(2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
@@ -101,6 +101,12 @@ class ModelFamily:
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)  # the transformer's repeated-block ModuleLists
     sequence_parallel: ClassVar[bool] = False  # whether --sp_size > 1 (Ulysses) is implemented for this family
     video: ClassVar[bool] = False  # samples are videos: latent_geometry takes frames, decode returns (B, F, 3, H, W)
+    # Image editing (docs/editing.md): the model is conditioned on a source image. Its ``embedding_keys`` then include
+    # ``condition_keys``, the per-example tensors made from the source (e.g. its packed latents), which
+    # ``encode_edits`` writes beside the prompt embeddings; both CFG branches see the same condition rows, and the
+    # geometry carries the source's (``edit_geometry``), so the rollout, replay and losses see the target tokens only.
+    edit: ClassVar[bool] = False
+    condition_keys: ClassVar[tuple[str, ...]] = ()
 
     recipes: ClassVar[dict[str, str]] = {}  # trainer (grpo, dpo, nft) -> the launchers' default recipe for it
 
@@ -165,6 +171,13 @@ class ModelFamily:
         whether a tokenizer cut it)``."""
         raise self._missing("encode_prompts")
 
+    def encode_edits(self, encoders: Any, vae: Any, images: torch.Tensor, prompts: list[str],
+                     max_sequence_length: int) -> tuple[dict[str, torch.Tensor], list[bool]]:
+        """An edit family's stored rows for source ``images`` (B, 3, H, W) in [0, 1] and their instructions: every
+        key of ``embedding_keys`` (the prompt embeddings, which may see the image, and the ``condition_keys``), and
+        per example whether a tokenizer cut the instruction."""
+        raise self._missing("encode_edits (image editing)")
+
     def max_sequence_length_limit(self) -> int:
         """The longest text length the family's text encoder takes (--max_sequence_length's upper bound)."""
         raise self._missing("max_sequence_length_limit")
@@ -193,6 +206,18 @@ class ModelFamily:
         """The latent layout for ``height`` x ``width`` images (``.height .width .seq_len .packed_channels
         .packed_shape``); ValueError naming valid sizes."""
         raise self._missing("latent_geometry")
+
+    def edit_geometry(self, geometry: Any, vae_or_config: Any, height: int, width: int) -> Any:
+        """``geometry`` (the target's) with the source image's latent geometry for ``height`` x ``width`` sources
+        attached (``.condition``; ``.condition_tokens`` counts its packed tokens); ValueError naming valid sizes."""
+        from fastvideo.models.common import EditGeometry  # the geometry module imports this one
+
+        try:
+            source = self.latent_geometry(vae_or_config, height, width)
+        except ValueError as err:
+            raise ValueError(f"source images of {height} x {width} (the edit store's size; preprocess_embeddings.py "
+                             f"--edit_size resizes them): {err}") from None
+        return EditGeometry(**{f.name: getattr(geometry, f.name) for f in fields(geometry)}, condition=source)
 
     def conditioning(self, geometry: Any, cond: Mapping[str, torch.Tensor], guidance: float | None,
                      device: torch.device) -> dict[str, Any]:
@@ -269,6 +294,17 @@ class ModelFamily:
 
 
 # ------------------------------------------------------------------------------------ shared helpers
+def condition_geometry_of(geometry: Any, family: ModelFamily) -> Any:
+    """The source image's latent geometry that ``family.edit_geometry`` attached to ``geometry``; ValueError naming
+    the fix when the geometry has none (an edit family built it from --h/--w alone)."""
+    source = getattr(geometry, "condition", None)
+    if source is None:
+        raise ValueError(f"the {family.name} family edits a source image, but this latent geometry has none: build it "
+                         "with fastvideo.models.geometry_for(..., condition=(height, width)) from the edit store "
+                         "(EmbeddingDataset.condition_size)")
+    return source
+
+
 FAMILY_ATTRIBUTE = "_fastvideo_family"  # set by ``tag`` on the unwrapped transformer
 
 

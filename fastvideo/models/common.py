@@ -131,6 +131,19 @@ class LatentGeometry:
         return (self.seq_len, self.packed_channels)
 
 
+@dataclass(frozen=True)
+class EditGeometry(LatentGeometry):
+    """An edit family's geometry: the target's (every ``LatentGeometry`` property) and the source image's
+    (``condition``), whose packed tokens join the transformer's sequence (``ModelFamily.edit_geometry``)."""
+
+    condition: LatentGeometry | None = None
+
+    @property
+    def condition_tokens(self) -> int:
+        """Packed source tokens per example (0 without a source)."""
+        return 0 if self.condition is None else self.condition.seq_len
+
+
 def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeometry:
     """LatentGeometry for images of ``height`` x ``width`` pixels; ValueError if not multiples of 2 x scale factor."""
     config = _vae_config(vae_or_config)

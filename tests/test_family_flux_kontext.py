@@ -1,0 +1,181 @@
+"""The FLUX.1-Kontext edit family (fastvideo/models/flux_kontext.py) against the stock diffusers FluxKontextPipeline
+on the seeded tiny Kontext folder: the folder and auto-detection, the stored rows (prompt embeddings and the packed
+source latents), the source tokens' position ids, one velocity, the ODE end point with and without true CFG, the
+geometry's refusals and the LoRA export in the stock pipeline. Default tier, ~15 s."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastvideo import models
+from fastvideo.lora import add_lora, save_lora_for_diffusers
+from fastvideo.models import flux_kontext
+from fastvideo.models.common import EditGeometry
+from fastvideo.rollout import guided_velocity
+
+PROMPTS = ["make the red circle blue", "remove the square"]
+T5_TOKENS = 16
+SIZE = 64  # the tiny preset's size; the sources are 32 x 48 (another grid than the target's)
+SOURCE_HW = (32, 48)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return flux_kontext.build_tiny(tmp_path_factory.mktemp("kontext") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def family() -> flux_kontext.FluxKontext:
+    return models.resolve("flux-kontext")
+
+
+@pytest.fixture(scope="module")
+def pipe(folder):
+    from diffusers import FluxKontextPipeline
+
+    pipeline = FluxKontextPipeline.from_pretrained(folder, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+@pytest.fixture(scope="module")
+def parts(folder, family):
+    vae = family.load_vae(folder)
+    return {"enc": family.load_text_encoders(folder), "transformer": family.load_transformer(folder), "vae": vae,
+            "geometry": models.geometry_for(family, vae, SIZE, SIZE, condition=SOURCE_HW)}
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[Image.Image]:
+    """Two 48 x 32 RGB sources with structure (a gradient and a block), not noise."""
+    h, w = SOURCE_HW
+    out = []
+    for k in range(2):
+        a = np.zeros((h, w, 3), dtype=np.uint8)
+        a[..., 0] = np.linspace(0, 255, w)[None, :].astype(np.uint8)
+        a[..., 1] = 60 + 100 * k
+        a[8:20, 10 + 12 * k:26 + 12 * k, 2] = 230
+        out.append(Image.fromarray(a))
+    return out
+
+
+def _tensor(images: list[Image.Image]) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(np.asarray(i, dtype=np.float32) / 255).permute(2, 0, 1) for i in images])
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_stock_pipeline_loads_the_tiny_folder_and_auto_finds_kontext(folder, pipe, family, tmp_path):
+    assert type(pipe).__name__ == "FluxKontextPipeline"
+    assert models.resolve("auto", folder) is family and family.edit and family.condition_keys == ("image_latents",)
+    assert _files(flux_kontext.build_tiny(tmp_path / "again", seed=0)) == _files(folder)
+    transformer = family.load_transformer(folder)
+    assert models.family_of(transformer) is family  # the tag, not the (FLUX.1) class
+
+
+def test_stored_rows_and_source_ids_equal_the_pipelines(pipe, parts, family, sources):
+    images = _tensor(sources)
+    rows, truncated = family.encode_edits(parts["enc"], parts["vae"], images, PROMPTS, T5_TOKENS)
+    assert set(rows) == set(family.embedding_keys) and truncated == [False, False]
+    with torch.no_grad():
+        pe, pooled, text_ids = pipe.encode_prompt(PROMPTS, None, max_sequence_length=T5_TOKENS)
+        pixels = pipe.image_processor.preprocess(sources, *SOURCE_HW)
+        _, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+            pixels, 2, 4, SIZE, SIZE, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert torch.equal(rows["prompt_embeds"], pe) and torch.equal(rows["pooled_prompt_embeds"], pooled)
+    geometry = parts["geometry"]
+    assert isinstance(geometry, EditGeometry) and geometry.condition_tokens == (32 // 8) * (48 // 8) == 24
+    assert rows["image_latents"].shape == image_latents.shape == (2, 24, 16)
+    assert torch.allclose(rows["image_latents"], image_latents, atol=1e-6)
+    shared = family.conditioning(geometry, rows, 3.5, torch.device("cpu"))
+    assert torch.equal(shared["img_ids"], torch.cat([latent_ids, image_ids]))
+    assert shared["img_ids"].shape == (geometry.seq_len + 24, 3) and set(image_ids[:, 0].tolist()) == {1.0}
+
+
+def test_velocity_is_the_target_rows_of_one_call_and_sees_the_source(parts, family, sources):
+    geometry, model = parts["geometry"], parts["transformer"]
+    rows, _ = family.encode_edits(parts["enc"], parts["vae"], _tensor(sources), PROMPTS, T5_TOKENS)
+    x = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(1))
+    shared = family.conditioning(geometry, rows, 3.5, torch.device("cpu"))
+    with torch.no_grad():
+        v = family.predict_velocity(model, x, torch.tensor(0.6), rows, shared)
+        full = model(hidden_states=torch.cat([x, rows["image_latents"]], 1), timestep=torch.full((2,), 0.6),
+                     guidance=torch.full((2,), 3.5), pooled_projections=rows["pooled_prompt_embeds"],
+                     encoder_hidden_states=rows["prompt_embeds"], txt_ids=shared["txt_ids"],
+                     img_ids=shared["img_ids"], return_dict=False)[0]
+        swapped = family.predict_velocity(model, x, torch.tensor(0.6),
+                                          {**rows, "image_latents": rows["image_latents"].flip(0)}, shared)
+    assert v.shape == (2, *geometry.packed_shape) and v.dtype == torch.float32
+    assert torch.equal(v, full[:, :geometry.seq_len])
+    assert (v - swapped).abs().mean() > 1e-3 * v.abs().mean()  # the source changes it (rounding: ~1e-7)
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
+def test_adapter_euler_loop_equals_the_stock_pipeline(pipe, parts, family, sources, cfg_scale):
+    geometry, steps = parts["geometry"], 3
+    noise = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(0))
+    negative = {"negative_prompt": "", "true_cfg_scale": cfg_scale} if cfg_scale > 1 else {}
+    with torch.no_grad():
+        images = pipe(image=sources, prompt=PROMPTS, latents=noise, num_inference_steps=steps, guidance_scale=3.5,
+                      output_type="pt", height=SIZE, width=SIZE, max_area=SIZE * SIZE, _auto_resize=False,
+                      max_sequence_length=T5_TOKENS, **negative).images
+        rows, _ = family.encode_edits(parts["enc"], parts["vae"], _tensor(sources), PROMPTS, T5_TOKENS)
+        if cfg_scale > 1:
+            uncond, _ = family.encode_prompts(parts["enc"], ["", ""], T5_TOKENS)
+            rows.update({f"negative_{k}": v for k, v in uncond.items()})
+        shared = family.conditioning(geometry, rows, 3.5, torch.device("cpu"))
+        sigmas, x = family.sigmas(steps, geometry.seq_len), noise
+        for i in range(steps):
+            v = guided_velocity(family, parts["transformer"], x, sigmas[i], rows, shared, cfg_scale)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+        ours = family.decode(parts["vae"], x, geometry)
+    diff = (ours - images).abs().max().item() * 255
+    print(f"cfg {cfg_scale}: sampling max |diff| x 255 = {diff:.3g}")
+    assert ours.shape == images.shape == (2, 3, SIZE, SIZE)
+    assert diff < 1
+    assert (images[0] - images[1]).abs().mean() > 0.01  # another source and instruction, another edit
+
+
+def test_geometry_refusals(parts, family, folder):
+    with pytest.raises(ValueError, match="source images of 36 x 48.*--edit_size.*multiple of 8"):  # tiny VAE: 4x
+        models.geometry_for(family, folder, SIZE, SIZE, condition=(36, 48))
+    assert models.geometry_for(family, folder, SIZE, SIZE).condition_tokens == parts["geometry"].seq_len  # planner
+    with pytest.raises(ValueError, match="takes no source image.*flux-kontext"):
+        models.geometry_for(models.resolve("flux1"), folder, SIZE, SIZE, condition=SOURCE_HW)
+    plain = models.resolve("flux1").latent_geometry(folder, SIZE, SIZE)
+    with pytest.raises(ValueError, match="condition=.*condition_size"):
+        family.conditioning(plain, {"prompt_embeds": torch.zeros(1, 4, 32)}, 3.5, torch.device("cpu"))
+
+
+def test_lora_export_loads_in_the_stock_pipeline_and_changes_the_edit(folder, parts, family, sources, tmp_path):
+    from diffusers import FluxKontextPipeline
+
+    model = add_lora(family.load_transformer(folder), rank=4, alpha=8,
+                     target_modules=list(family.lora_target_modules), init_seed=0)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    out = save_lora_for_diffusers(model, tmp_path / "lora", family=family)
+    pipeline = FluxKontextPipeline.from_pretrained(folder, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    call = dict(image=sources[0], prompt=PROMPTS[0], num_inference_steps=2, output_type="pt", height=SIZE, width=SIZE,
+                max_area=SIZE * SIZE, _auto_resize=False, max_sequence_length=T5_TOKENS)
+    latents = torch.randn(1, *parts["geometry"].packed_shape, generator=torch.Generator().manual_seed(3))
+    before = pipeline(latents=latents, **call).images
+    pipeline.load_lora_weights(out)
+    after = pipeline(latents=latents, **call).images
+    assert (after - before).abs().max() > 0.02
+    with torch.no_grad():
+        rows, _ = family.encode_edits(parts["enc"], parts["vae"], _tensor(sources[:1]), PROMPTS[:1], T5_TOKENS)
+        shared = family.conditioning(parts["geometry"], rows, 3.5, torch.device("cpu"))
+        ours = family.predict_velocity(model, latents, torch.tensor(0.7), rows, shared)
+        stock = family.predict_velocity(pipeline.transformer, latents, torch.tensor(0.7), rows, shared)
+    assert torch.allclose(stock, ours, atol=1e-5)  # the export restores the trained adapter in the edit pipeline
