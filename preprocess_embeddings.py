@@ -1,6 +1,10 @@
 """Encode a prompt file into the model family's text embeddings on disk (FLUX.1: T5 prompt_embeds + CLIP pooled).
 
     torchrun --nproc_per_node N preprocess_embeddings.py --model_path DIR --prompt_file FILE --output_dir OUT
+    torchrun --nproc_per_node N preprocess_embeddings.py --model_path KONTEXT --edit_file pairs.jsonl --output_dir OUT
+
+An edit model (FLUX.1-Kontext) takes an --edit_file of (source image, instruction) pairs instead: the VAE is loaded
+too and each source's latents are stored beside its instruction's embeddings (docs/editing.md).
 
 Only the tokenizers and text encoders are loaded (never the transformer or VAE). Prompts are cut into
 fixed-size shards of consecutive ids; shard k is encoded by rank k % N and written atomically, so any
@@ -15,6 +19,7 @@ import time
 from fastvideo import distributed, errors
 from fastvideo.config import FlagParser, add_config_flag, parse_with_config
 from fastvideo.data import DEFAULT_SHARD_SIZE, DTYPES, open_prompt_store, write_prompt_store
+from fastvideo.edits import parse_edit_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,7 +29,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model_path", required=True,
                    help="diffusers model folder (needs the family's tokenizers and text encoders; FLUX.1: "
                         "text_encoder, text_encoder_2, tokenizer, tokenizer_2)")
-    p.add_argument("--prompt_file", required=True, help="UTF-8 text file, one prompt per line, blank lines skipped")
+    p.add_argument("--prompt_file", default=None, help="UTF-8 text file, one prompt per line, blank lines skipped "
+                                                        "(text-to-image/video families)")
+    p.add_argument("--edit_file", default=None,
+                   help="JSON Lines file of edits for an edit family (flux-kontext), one object per line: "
+                        "{\"image\": \"path/to/source.png\", \"prompt\": \"make the red circle blue\"}, image paths "
+                        "relative to the file; instead of --prompt_file (docs/editing.md)")
+    p.add_argument("--edit_size", default=None,
+                   help="WIDTHxHEIGHT in pixels every --edit_file source is resized to (Lanczos, as the diffusers "
+                        "edit pipelines); default: the sources' own size, which must then be one size")
     p.add_argument("--output_dir", required=True, help="directory for manifest.json and the safetensors shards")
     p.add_argument("--model_family", default="auto",
                    help="model family adapter: auto (from model_index.json) | flux1 | sd3 | qwen-image | flux2 | "
@@ -46,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_with_config(p, argv)
     if args.batch_size < 1:
         p.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    if (args.prompt_file is None) == (args.edit_file is None):
+        p.error("pass exactly one of --prompt_file (prompts) and --edit_file (source image + instruction pairs)")
+    if args.edit_size is not None and args.edit_file is None:
+        p.error("--edit_size resizes --edit_file sources; pass --edit_file, or drop --edit_size")
     return args
 
 
@@ -71,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         writer = open_prompt_store(args.prompt_file, args.model_path, args.output_dir,  # every check, nothing loaded
                                    max_sequence_length=args.max_sequence_length, dtype=args.dtype,
                                    shard_size=args.shard_size, model_family=args.model_family,
-                                   negative_prompt=args.negative_prompt)
+                                   negative_prompt=args.negative_prompt, edit_file=args.edit_file,
+                                   edit_size=parse_edit_size(args.edit_size))
     dist = distributed.init_distributed(args.device)
     start = time.perf_counter()
     done = write_prompt_store(writer, device=dist.device, batch_size=args.batch_size)
     if dist.is_main:
         manifest, spec = done["manifest"], writer.spec
-        print(f"[preprocess] {manifest['num_prompts']} prompts in {len(manifest['shards'])} shards "
+        what = "prompts" if writer.sources is None else f"edits ({writer.sources.width}x{writer.sources.height} sources)"
+        print(f"[preprocess] {manifest['num_prompts']} {what} in {len(manifest['shards'])} shards "
               f"(encoded {done['encoded']}, kept {done['kept']} finished) on {dist.world_size} rank(s) in "
               f"{time.perf_counter() - start:.1f}s; {manifest['num_truncated']} truncated (longer than "
               f"max_sequence_length={spec.max_sequence_length} or CLIP's 77 tokens); dtype {spec.dtype}; "

@@ -47,7 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fastvideo import devices, distributed, models
+from fastvideo import devices, distributed, edits, models
 from fastvideo.weights import check_weight_files, read_safetensors_header, resolve_inside
 
 FORMAT_VERSION = 2
@@ -155,6 +155,12 @@ class StoreSpec:
     embedding_keys: tuple[str, ...] = FLUX1_KEYS  # the family's per-prompt tensors, in file order
     model_family: str = "flux1"  # the family's --model_family name (informational; encoders_fingerprint decides)
     negative_prompt: str | None = None  # also store this prompt's embeddings (--cfg_scale's unconditional branch)
+    condition_keys: tuple[str, ...] = ()  # an edit store's keys made from the source image (not in the negative row)
+
+    @property
+    def text_keys(self) -> tuple[str, ...]:
+        """The keys a text alone gives (the negative prompt's row holds these)."""
+        return tuple(k for k in self.embedding_keys if k not in self.condition_keys)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -176,6 +182,7 @@ class EmbeddingWriter:
     spec: StoreSpec
     prompt_file: str = ""
     family: Any = None  # the model family's adapter that encodes (None: from the model folder, --model_family auto)
+    sources: Any = None  # an edit store's ``edits.EditSources`` (None: a prompt store)
     shards: list[ShardSpec] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -231,6 +238,7 @@ class EmbeddingWriter:
             "first_id": str(shard.first_id),
             "num_prompts": str(shard.num_prompts),
             "prompts_sha256": _prompts_hash(self.prompts[shard.first_id:shard.first_id + shard.num_prompts]),
+            **({"sources_sha256": self.sources.identity(shard.first_id, shard.num_prompts)} if self.sources else {}),
         }
 
     def is_complete(self, shard: ShardSpec) -> bool:
@@ -239,6 +247,8 @@ class EmbeddingWriter:
         if not path.is_file():
             return False
         header = self._shard_header(path)
+        if self.sources is not None and not all(edits.source_file(self.output_dir, i).is_file() for i in shard.ids):
+            return False
         return all(header.get(k) == v for k, v in self._expected_header(shard).items())
 
     # -- writing ----------------------------------------------------------------------------------
@@ -250,15 +260,17 @@ class EmbeddingWriter:
         """The prompt texts of one shard, in id order."""
         return self.prompts[shard.first_id:shard.first_id + shard.num_prompts]
 
-    def _tensors(self, tensors: dict[str, torch.Tensor], rows: int, where: str) -> dict[str, torch.Tensor]:
-        """``tensors`` checked against the store's keys and ``rows``, floating ones cast to the store dtype, on the
-        CPU and contiguous (masks keep their integer dtype)."""
-        if set(tensors) != set(self.spec.embedding_keys):
-            raise ValueError(f"{where} expects the tensors {list(self.spec.embedding_keys)}, got {sorted(tensors)}: "
-                             "the family's encode_prompts must return one tensor per embedding key")
+    def _tensors(self, tensors: dict[str, torch.Tensor], rows: int, where: str,
+                 keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """``tensors`` checked against the store's keys (or ``keys``) and ``rows``, floating ones cast to the store
+        dtype, on the CPU and contiguous (masks keep their integer dtype)."""
+        keys = self.spec.embedding_keys if keys is None else keys
+        if set(tensors) != set(keys):
+            raise ValueError(f"{where} expects the tensors {list(keys)}, got {sorted(tensors)}: the family's "
+                             "encode_prompts / encode_edits must return one tensor per embedding key")
         dtype = DTYPES[self.spec.dtype]
         out = {}
-        for key in self.spec.embedding_keys:
+        for key in keys:
             t = tensors[key].detach()
             if t.shape[0] != rows:
                 raise ValueError(f"{where} expects {rows} rows, got {key} {tuple(t.shape)}")
@@ -295,7 +307,7 @@ class EmbeddingWriter:
 
     def write_negative(self, tensors: dict[str, torch.Tensor]) -> Path:
         """Write the negative prompt's embeddings (one row per key) to ``negative.safetensors``; atomic."""
-        tensors = self._tensors(tensors, 1, NEGATIVE_FILE)
+        tensors = self._tensors(tensors, 1, NEGATIVE_FILE, self.spec.text_keys)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / NEGATIVE_FILE
         tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -325,6 +337,9 @@ class EmbeddingWriter:
             stale_shard = _SHARD_RE.match(path.name) and path.name not in keep
             leftover_tmp = (path.name.startswith((".shard-", f".{MANIFEST_NAME}", f".{NEGATIVE_FILE}"))
                             and ".tmp." in path.name)
+            if path.name == edits.SOURCES_DIR and self.sources is not None:
+                for stale in path.glob(".*.tmp.*"):
+                    stale.unlink(missing_ok=True)
             stale_negative = path.name == NEGATIVE_FILE and self.spec.negative_prompt is None
             if stale_shard or leftover_tmp or stale_negative:
                 path.unlink(missing_ok=True)
@@ -344,27 +359,50 @@ class EmbeddingWriter:
             "negative": None if self.spec.negative_prompt is None else {"prompt": self.spec.negative_prompt,
                                                                         "file": NEGATIVE_FILE},
             "prompt_file": self.prompt_file,
+            "condition_keys": list(self.spec.condition_keys),
+            "edit": None if self.sources is None else {"file": self.sources.file, "height": self.sources.height,
+                                                       "width": self.sources.width, "sources": edits.SOURCES_DIR},
             "shards": [{"file": s.file, "first_id": s.first_id, "num_prompts": s.num_prompts} for s in self.shards],
-            "prompts": [{"id": i, "prompt": p, "truncated": i in truncated} for i, p in enumerate(self.prompts)],
+            "prompts": [{"id": i, "prompt": p, "truncated": i in truncated,
+                         **({"image": str(self.sources.examples[i].image)} if self.sources else {})}
+                        for i, p in enumerate(self.prompts)],
         }
         atomic_write_text(self.output_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
         return manifest
 
 
-def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathLike, output_dir: str | os.PathLike,
-                      *, max_sequence_length: int = 512, dtype: str = "fp32",
+def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | os.PathLike,
+                      output_dir: str | os.PathLike, *, max_sequence_length: int = 512, dtype: str = "fp32",
                       shard_size: int = DEFAULT_SHARD_SIZE, model_family: str = "auto",
-                      negative_prompt: str | None = None) -> EmbeddingWriter:
+                      negative_prompt: str | None = None, edit_file: str | os.PathLike | None = None,
+                      edit_size: tuple[int, int] | None = None) -> EmbeddingWriter:
     """The writer of ``prompt_file``'s embeddings under ``output_dir``, checked before any encoder loads: the prompt
     file reads, the model folder has the family's text encoders (``--model_family``) with complete weight files, and
     an existing store there was made the same way (its finished shards are kept). ``negative_prompt``: also store
-    that prompt's embeddings (the unconditional branch of --cfg_scale > 1)."""
-    prompts = read_prompt_file(prompt_file)
+    that prompt's embeddings (the unconditional branch of --cfg_scale > 1). ``edit_file`` (instead of
+    ``prompt_file``; an edit family): (source image, instruction) pairs, every line and image header checked here,
+    the sources at ``edit_size`` (height, width) or their own one size (``edits.EditSources``)."""
     family = models.resolve(model_family, model_path)
-    model_path = family.check_folder(model_path, family.text_components).resolve()
-    for component in family.text_components:  # headers only: a corrupt file fails here, not mid-load
-        if component.startswith("text_encoder"):
+    sources = None
+    if family.edit:
+        if edit_file is None:
+            raise ValueError(f"the {family.name} family edits a source image: pass --edit_file pairs.jsonl ({{\"image\": "
+                             "..., \"prompt\": ...} per line) instead of --prompt_file (docs/editing.md)")
+        sources = edits.EditSources.open(edit_file, edit_size)
+        prompts, prompt_file = sources.prompts, edit_file
+    elif edit_file is not None:
+        raise ValueError(f"--edit_file needs an edit model family (flux-kontext); {model_path} is {family.name}: pass "
+                         "--prompt_file, or an edit model (docs/editing.md)")
+    else:
+        prompts = read_prompt_file(prompt_file)
+    needed = family.text_components + (("vae",) if family.edit else ())
+    model_path = family.check_folder(model_path, needed).resolve()
+    for component in needed:  # headers only: a corrupt file fails here, not mid-load
+        if component.startswith("text_encoder") or component == "vae":
             check_weight_files(model_path / component)
+    if sources is not None:  # the size the family's VAE and packing take, before anything loads
+        models.geometry_for(family, model_path, sources.height, sources.width, condition=(sources.height,
+                                                                                           sources.width))
     limit = family.max_sequence_length_limit()
     if not 1 <= max_sequence_length <= limit:
         raise ValueError(f"--max_sequence_length must be in [1, {limit}] (the {family.name} text encoder's limit), "
@@ -372,9 +410,9 @@ def open_prompt_store(prompt_file: str | os.PathLike, model_path: str | os.PathL
     spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=family.encoders_fingerprint(model_path),
                      max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size,
                      embedding_keys=tuple(family.embedding_keys), model_family=family.name or repr(family),
-                     negative_prompt=negative_prompt)
+                     negative_prompt=negative_prompt, condition_keys=tuple(family.condition_keys))
     writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()),
-                             family=family)
+                             family=family, sources=sources)
     writer.check_existing()
     return writer
 
@@ -390,6 +428,7 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
     negative = rank == 0 and not writer.negative_complete()  # one row: rank 0 encodes it
     if todo or negative:
         encoders = family.load_text_encoders(writer.spec.model_path, dtype=DTYPES[writer.spec.dtype], device=device)
+        vae = None if writer.sources is None else family.load_vae(writer.spec.model_path, device=device)
         msl = writer.spec.max_sequence_length
         for shard in todo:
             texts = writer.prompts_of(shard)
@@ -397,7 +436,13 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
             truncated: list[bool] = []
             for i in range(0, len(texts), batch_size):
                 with torch.no_grad():
-                    cond, t = family.encode_prompts(encoders, texts[i:i + batch_size], max_sequence_length=msl)
+                    if vae is None:
+                        cond, t = family.encode_prompts(encoders, texts[i:i + batch_size], max_sequence_length=msl)
+                    else:  # an edit: the source (float32 VAE, as the pipelines' posterior mode) and its instruction
+                        ids = list(shard.ids)[i:i + batch_size]
+                        images = writer.sources.load(ids)
+                        cond, t = family.encode_edits(encoders, vae, images.to(device), texts[i:i + batch_size], msl)
+                        edits.save_sources(writer.output_dir, ids, images)
                 for key in parts:
                     parts[key].append(cond[key].cpu())
                 truncated.extend(bool(x) for x in t)
@@ -406,7 +451,7 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
             with torch.no_grad():
                 cond, _ = family.encode_prompts(encoders, [writer.spec.negative_prompt], max_sequence_length=msl)
             writer.write_negative({k: v.cpu() for k, v in cond.items()})
-        del encoders  # T5-XXL is 4.7B parameters: give its memory back before the caller loads the transformer
+        del encoders, vae  # T5-XXL is 4.7B parameters: give its memory back before the caller loads the transformer
         devices.empty_cache(device)
     counts = distributed.all_gather_object((len(todo), len(mine) - len(todo)))
     distributed.barrier()
@@ -456,6 +501,7 @@ class EmbeddingDataset:
         self.shapes: dict[str, list[int]] = m.get("shapes") or {k: m.get(f"{k}_shape") for k in FLUX1_KEYS
                                                                  if m.get(f"{k}_shape")}
         self.model_family: str = m.get("model_family", "flux1")
+        self.condition_keys: tuple[str, ...] = tuple(m.get("condition_keys") or ())  # an edit store's source rows
         self.family: Any = None  # the model family whose ``collate`` shapes a batch (``use``)
         self.with_negative = False  # whether ``get_batch`` adds the negative prompt's rows (``use``)
         self._negative: dict[str, torch.Tensor] | None = None  # ``negative_rows``, once read
@@ -530,6 +576,18 @@ class EmbeddingDataset:
         return DTYPES[self.manifest["dtype"]]
 
     @property
+    def condition_size(self) -> tuple[int, int] | None:
+        """An edit store's source size (height, width) (``models.geometry_for(..., condition=)``); None: prompts."""
+        edit = self.manifest.get("edit")
+        return None if not edit else (int(edit["height"]), int(edit["width"]))
+
+    def source_images(self, prompt_ids: list[int]) -> torch.Tensor:
+        """An edit store's sources of ``prompt_ids`` (B, 3, H, W) float32 in [0, 1] (the pixels the VAE encoded)."""
+        if self.condition_size is None:
+            raise ValueError(f"{self.root} holds prompts, not edits: it has no source images")
+        return edits.read_sources(self.root, [self._check_id(i) for i in prompt_ids])
+
+    @property
     def negative_prompt(self) -> str | None:
         """The negative prompt stored beside the prompts (``--negative_prompt``), None when there is none."""
         negative = self.manifest.get("negative")
@@ -560,6 +618,11 @@ class EmbeddingDataset:
     def use(self, family: Any, negative: bool = False) -> "EmbeddingDataset":
         """Shape ``get_batch`` for ``family`` (its ``collate``) and, with ``negative`` (--cfg_scale > 1), add the
         negative prompt's rows under ``negative_<key>``; ValueError naming the fix when the store has none."""
+        if family is not None and bool(family.edit) != (self.condition_size is not None):
+            raise ValueError(f"{self.root} holds {'edits' if self.condition_size else 'prompts'} but the {family.name} "
+                             f"family {'edits a source image' if family.edit else 'takes no source image'}: "
+                             + ("preprocess an --edit_file with this model" if family.edit else
+                                "train an edit family (flux-kontext) on it") + " (docs/editing.md)")
         if negative and not self.manifest.get("negative"):
             raise ValueError(f"--cfg_scale > 1 needs the negative prompt's embeddings, which {self.root} does not "
                              "hold: re-run preprocess_embeddings.py with --negative_prompt \"\" (or the family's "
@@ -595,17 +658,18 @@ class EmbeddingDataset:
             if i not in cache:
                 cache[i] = self._rows(i)
         cond = {k: torch.cat([cache[i][k] for i in ids]) for k in self.embedding_keys}  # (B, ...) each
+        text = [k for k in self.embedding_keys if k not in self.condition_keys]  # the negative row's keys
         if self.with_negative:
             negative = self.negative_rows()
-            cond.update({f"negative_{k}": negative[k].expand(len(ids), *negative[k].shape[1:]).clone()
-                         for k in self.embedding_keys})
+            cond.update({f"negative_{k}": negative[k].expand(len(ids), *negative[k].shape[1:]).clone() for k in text})
         if self.family is not None:
             n = len(ids)
-            joined = self.family.collate({k: torch.cat([cond[k], cond[f"negative_{k}"]]) if self.with_negative
-                                          else cond[k] for k in self.embedding_keys})
+            joined = self.family.collate({k: torch.cat([cond[k], cond[f"negative_{k}"]])
+                                          if self.with_negative and k in text else cond[k]
+                                          for k in self.embedding_keys})
             cond = {k: v[:n] for k, v in joined.items()}
             if self.with_negative:
-                cond.update({f"negative_{k}": v[n:] for k, v in joined.items()})
+                cond.update({f"negative_{k}": v[n:] for k, v in joined.items() if k in text})
         return {"prompt_ids": torch.tensor(ids, dtype=torch.long), "prompts": [self.prompts[i] for i in ids],
                 **cond}
 

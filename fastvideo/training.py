@@ -119,9 +119,10 @@ class Run:
         args = self.args
         fill_family_sampling(args)  # validation did it; a caller that skips validation gets the same values
         family = models.family_for(args)
-        geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w, args.num_frames)
         guided = args.cfg_scale > 1
         dataset = EmbeddingDataset(args.data_json_path).use(family, negative=guided)
+        geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w, args.num_frames,
+                                       condition=dataset.condition_size)
         dataset.check_encoders(args.pretrained_model_name_or_path, models.spec_of(args))
         check_reward_prompts(args.reward, dataset.prompts, f"--data_json_path {args.data_json_path}",
                              judge_score=args.judge_score)
