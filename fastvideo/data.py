@@ -401,8 +401,8 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
         if component.startswith("text_encoder") or component == "vae":
             check_weight_files(model_path / component)
     if sources is not None:  # the size the family's VAE and packing take, before anything loads
-        models.geometry_for(family, model_path, sources.height, sources.width, condition=(sources.height,
-                                                                                           sources.width))
+        models.geometry_for(family, model_path, family.defaults.height, family.defaults.width,
+                            condition=(sources.height, sources.width))
     limit = family.max_sequence_length_limit()
     if not 1 <= max_sequence_length <= limit:
         raise ValueError(f"--max_sequence_length must be in [1, {limit}] (the {family.name} text encoder's limit), "

@@ -25,11 +25,13 @@ _HINT = 'one JSON object per line: {"image": "path/to/source.png", "prompt": "th
 
 @dataclass(frozen=True)
 class EditExample:
-    """One line of an edit file: the instruction, the source image's resolved path, the line number (errors)."""
+    """One line of an edit file: the instruction, the source image's resolved path, the line number (errors) and the
+    path as the file writes it (relative to the file)."""
 
     prompt: str
     image: Path
     line: int
+    name: str = ""
 
 
 def read_edit_file(path: str | os.PathLike) -> list[EditExample]:
@@ -56,7 +58,7 @@ def read_edit_file(path: str | os.PathLike) -> list[EditExample]:
         if not image.is_file():
             raise FileNotFoundError(f"{where}: source image {obj['image']!r} ({image}) does not exist; image paths "
                                     "are relative to the edit file")
-        examples.append(EditExample(prompt, image, lineno))
+        examples.append(EditExample(prompt, image, lineno, obj["image"]))
     if not examples:
         raise ValueError(f"--edit_file {path} holds no examples; write {_HINT}")
     return examples
@@ -116,11 +118,13 @@ class EditSources:
 
     def identity(self, first_id: int, count: int) -> str:
         """What a finished shard of ids [first_id, first_id + count) was made from (its header keeps it, so a
-        re-run re-encodes a shard whose images changed): the size, and each image's path, bytes and mtime."""
+        re-run re-encodes a shard whose images changed): the size, and each image's path as the edit file writes
+        it, byte size and modification time (not its bytes: every rank computes this for its shards, and rank 0
+        for all of them; a data folder copied with its times kept, e.g. ``cp -a``, keeps the finished shards)."""
         h = hashlib.sha256(f"{self.height}x{self.width}".encode())
         for example in self.examples[first_id:first_id + count]:
             stat = example.image.stat()
-            h.update(f"\0{example.image}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+            h.update(f"\0{example.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
         return h.hexdigest()
 
     def load(self, ids: Sequence[int]) -> torch.Tensor:

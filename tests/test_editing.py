@@ -1,0 +1,207 @@
+"""Image editing end to end on the tiny FLUX.1-Kontext (``flux-kontext-tiny``) through the product's commands:
+``preprocess_embeddings.py --edit_file`` on 2 ranks (stored rows = the adapter's ``encode_edits``; the stored sources
+are the pixels it encoded; a re-run keeps finished shards and re-encodes the one whose image changed), bad edit files
+refused with the line named before any model loads, and GRPO with LoRA and true CFG on 2 ranks (on-policy at the first
+update; the export loads in the stock ``FluxKontextPipeline`` and changes its edits). The slow tier adds online DPO,
+DiffusionNFT, AWM and a GRPO full fine-tune on edits. The adapter itself is checked against the stock pipeline in
+tests/test_family_flux_kontext.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import run_in_one_job, run_torchrun
+
+H = W = 32  # target and source size (the tiny VAE: 4x, so 8 x 8 latents, 16 packed tokens each)
+MSL = 16
+INSTRUCTIONS = ["make the red square blue", "remove the square", "move the square to the left",
+                "add a yellow circle above the square", "make the blue square green", "remove the red square"]
+EDIT_GRPO = "test_editing.py::test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora"
+
+
+def write_edits(root: Path, n: int = len(INSTRUCTIONS), size: tuple[int, int] = (H, W)) -> Path:
+    """``n`` structured sources (a coloured square on grey, each moved) and ``root/pairs.jsonl`` naming them."""
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        a = np.full((*size, 3), 200, np.uint8)
+        a[4 + i:14 + i, 6:18] = (220, 30, 30) if i % 2 else (30, 30, 220)
+        Image.fromarray(a).save(root / "images" / f"{i}.png")
+        lines.append(json.dumps({"image": f"images/{i}.png", "prompt": INSTRUCTIONS[i % len(INSTRUCTIONS)]}))
+    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "pairs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory) -> dict:
+    """The tiny Kontext folder and its edit store (6 edits in shards of 2, written by 2 ranks, negative prompt "")."""
+    from fastvideo.models.flux_kontext import build_tiny
+
+    root = tmp_path_factory.mktemp("edits")
+    model = build_tiny(root / "model", seed=0)
+    pairs = write_edits(root)
+    run_torchrun(["preprocess_embeddings.py", "--model_path", str(model), "--edit_file", str(pairs), "--output_dir",
+                  str(root / "store"), "--max_sequence_length", str(MSL), "--shard_size", "2", "--negative_prompt",
+                  "", "--device", "cpu"])
+    return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
+
+
+def test_preprocessing_on_two_ranks_stores_what_encode_edits_gives(kontext):
+    from fastvideo import models
+    from fastvideo.data import EmbeddingDataset
+    from fastvideo.edits import EditSources
+
+    family = models.resolve("auto", kontext["model"])
+    ds = EmbeddingDataset(kontext["store"]).use(family, negative=True)
+    assert ds.condition_size == (H, W) and ds.condition_keys == ("image_latents",) and len(ds) == 6
+    assert ds.prompts == INSTRUCTIONS and ds.manifest["edit"]["file"] == str(kontext["pairs"])
+    sources = EditSources.open(kontext["pairs"]).load(range(6))
+    assert torch.equal(ds.source_images(list(range(6))), sources)  # the stored PNGs: the pixels that were encoded
+    with torch.no_grad():
+        expected, _ = family.encode_edits(family.load_text_encoders(kontext["model"]),
+                                          family.load_vae(kontext["model"]), sources, INSTRUCTIONS, MSL)
+    batch = ds.get_batch([5, 0, 5])
+    for key in family.embedding_keys:
+        torch.testing.assert_close(batch[key], expected[key][[5, 0, 5]], rtol=0, atol=1e-5, msg=key)
+    assert "negative_image_latents" not in batch and batch["negative_prompt_embeds"].shape == (3, MSL, 32)
+    with pytest.raises(ValueError, match="holds edits but the flux1 family takes no source image"):
+        EmbeddingDataset(kontext["store"]).use(models.resolve("flux1"))
+
+
+def test_a_rerun_keeps_finished_shards_and_re_encodes_a_changed_image(kontext, tmp_path):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(kontext["store"], store)
+    root = tmp_path / "data"
+    shutil.copytree(kontext["root"] / "images", root / "images")
+    shutil.copy(kontext["pairs"], root / "pairs.jsonl")
+    before = {p.name: p.read_bytes() for p in store.glob("shard-*")}
+    Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(root / "images" / "3.png")  # shard 1 (ids 2, 3) changes
+    args = ["preprocess_embeddings.py", "--model_path", str(kontext["model"]), "--edit_file", str(root / "pairs.jsonl"),
+            "--output_dir", str(store), "--max_sequence_length", str(MSL), "--shard_size", "2", "--negative_prompt",
+            "", "--device", "cpu"]
+    out = run_torchrun(args, nproc=1).stdout
+    assert "(encoded 1, kept 2 finished)" in out, out[-2000:]
+    after = {p.name: p.read_bytes() for p in store.glob("shard-*")}
+    assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]
+    assert after["shard-00001.safetensors"] != before["shard-00001.safetensors"]
+    from fastvideo.data import EmbeddingDataset
+
+    assert float(EmbeddingDataset(store).source_images([3]).max()) == 0.0
+
+
+@pytest.mark.parametrize("line,fix", [
+    ('{"image": "images/0.png", "prompt": "ok"}\n{"image": "images/1.png"', r"line 2: not valid JSON"),
+    ('{"image": "images/0.png", "prompt": "ok"}\n\n{"image": "images/1.png"}', r"line 3: needs the string keys"),
+    ('{"image": "images/0.png", "prompt": "   "}', r"line 1: the instruction .* is empty"),
+    ('{"image": "images/0.png", "prompt": "a"}\n{"image": "nope.png", "prompt": "b"}',
+     r"line 2: source image 'nope.png' .* does not exist; image paths are relative to the edit file"),
+    ('{"image": "images/0.png", "prompt": "a"}\n{"image": "broken.png", "prompt": "b"}',
+     r"line 2: .*broken.png is not a readable image"),
+    ('{"image": "images/0.png", "prompt": "a"}\n{"image": "big.png", "prompt": "b"}',
+     r"line 2: big.png is 48x32 but line 1's source is 32x32.*--edit_size WxH"),
+])
+def test_bad_edit_files_are_refused_naming_the_line(kontext, tmp_path, line, fix):
+    """Checked in the parent process before any model or rank starts (``open_prompt_store``), with the line named."""
+    from fastvideo.data import open_prompt_store
+
+    write_edits(tmp_path, 2)
+    (tmp_path / "broken.png").write_text("not an image")
+    Image.fromarray(np.zeros((32, 48, 3), np.uint8)).save(tmp_path / "big.png")
+    pairs = tmp_path / "bad.jsonl"
+    pairs.write_text(line + "\n")
+    with pytest.raises((ValueError, FileNotFoundError), match=fix):
+        open_prompt_store(None, kontext["model"], tmp_path / "out", edit_file=pairs, max_sequence_length=MSL)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_sizes_and_flag_mixups_are_refused_before_encoding(kontext, tmp_path):
+    from fastvideo.data import open_prompt_store
+    from fastvideo.tiny import build_tiny_flux
+
+    pairs = write_edits(tmp_path, 2, size=(36, 36))
+    with pytest.raises(ValueError, match=r"source images of 36 x 36 .*--edit_size.*multiple of 8"):
+        open_prompt_store(None, kontext["model"], tmp_path / "out", edit_file=pairs, max_sequence_length=MSL)
+    writer = open_prompt_store(None, kontext["model"], tmp_path / "out", edit_file=pairs, edit_size=(32, 40),
+                               max_sequence_length=MSL)  # --edit_size 40x32 resizes them: taken
+    assert writer.sources.load([0]).shape == (1, 3, 32, 40)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\n")
+    with pytest.raises(ValueError, match="edits a source image: pass --edit_file"):
+        open_prompt_store(prompts, kontext["model"], tmp_path / "out", max_sequence_length=MSL)
+    flux = build_tiny_flux(tmp_path / "flux")
+    with pytest.raises(ValueError, match="--edit_file needs an edit model family"):
+        open_prompt_store(None, flux, tmp_path / "out", edit_file=pairs, max_sequence_length=MSL)
+    from fastvideo.edits import parse_edit_size
+
+    assert parse_edit_size("40x32") == (32, 40)
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT"):
+        parse_edit_size("32")
+    assert not (tmp_path / "out").exists()
+
+
+def _train_args(kontext: dict, out: Path, *extra: str) -> list[str]:
+    """A trainer's flags (2 steps of 2 edits x 4 samples on the tiny Kontext, jpeg reward), without the script."""
+    return ["--pretrained_model_name_or_path", str(kontext["model"]), "--data_json_path",
+            str(kontext["store"]), "--output_dir", str(out), "--device", "cpu", "--h", str(H), "--w", str(W),
+            "--sampling_steps", "4", "--num_generations", "4", "--prompts_per_step", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "2", "--reward", "jpeg_compressibility:1.0", "--learning_rate", "1e-3", "--seed", "3",
+            "--no-progress_bar", "--max_train_steps", "2", "--checkpointing_steps", "100", *extra]
+
+
+def _kontext_edit(model: Path, lora: Path | None, source: Image.Image) -> torch.Tensor:
+    from diffusers import FluxKontextPipeline
+
+    pipe = FluxKontextPipeline.from_pretrained(model, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
+    return pipe(image=source, prompt=INSTRUCTIONS[0], height=H, width=W, max_area=H * W, _auto_resize=False,
+                num_inference_steps=2, output_type="pt", max_sequence_length=MSL,
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kontext, tmp_path):
+    """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward): the first
+    update's ratios are 1, the update reaches the adapter, and the export changes the stock Kontext pipeline's edit."""
+    out = tmp_path / "grpo"
+    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2", "--timestep_fraction", "0.7")])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["ratio_first_update_max_dev"] < 1e-5 and rows[0]["grad_norm"] > 0, rows[0]
+    source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
+    base, tuned = _kontext_edit(kontext["model"], None, source), _kontext_edit(kontext["model"], out / "final", source)
+    assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
+
+
+@pytest.mark.slow(cover=EDIT_GRPO, cost_s=20)
+def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
+    """In one 2-rank job, 2 steps each on the edit store: online DPO (CFG rollout), DiffusionNFT and AWM with LoRA,
+    and GRPO as a full fine-tune: finite losses, a moving policy, LoRA exports the Kontext pipeline loads, and a
+    transformer folder that differs from the base model's."""
+    from diffusers import FluxTransformer2DModel
+
+    lora = ["--lora_rank", "4"]
+    run_in_one_job([
+        ("train_dpo.py", _train_args(kontext, tmp_path / "dpo", *lora, "--cfg_scale", "2")),
+        ("train_nft.py", _train_args(kontext, tmp_path / "nft", *lora)),
+        ("train_nft.py", _train_args(kontext, tmp_path / "awm", *lora, "--objective", "awm", "--awm_timesteps", "2")),
+        ("train_grpo_flux.py", _train_args(kontext, tmp_path / "full", "--lora_rank", "0", "--learning_rate", "1e-4",
+                                           "--timestep_fraction", "0.7")),
+    ], tmp_path)
+    source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
+    base = _kontext_edit(kontext["model"], None, source)
+    for name in ("dpo", "nft", "awm"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows), (name, rows)
+        assert (_kontext_edit(kontext["model"], tmp_path / name / "final", source) - base).abs().max() > 1e-4, name
+    tuned = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "final", local_files_only=True)
+    start = FluxTransformer2DModel.from_pretrained(kontext["model"] / "transformer", local_files_only=True)
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), start.state_dict().values()))
