@@ -104,6 +104,8 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     from fastvideo.seeding import NoiseSource
     from fastvideo.devices import compute_dtype
     from fastvideo.rewards import REWARD_PATH_FLAGS
+    from fastvideo.edits import source_file
+    from fastvideo.rewards import source_distance
 
     dist = D.init_distributed(args.device)
     out = Path(args.output_dir)
@@ -137,7 +139,8 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
     family = models.family_for(args)
     vae = family.load_vae(args.pretrained_model_name_or_path, dtype=amp_dtype or torch.float32,
                           device=dist.device)  # decodes in the compute dtype, as FluxPipeline
-    geometry = models.geometry_for(family, vae, args.h, args.w, getattr(args, "num_frames", None))
+    geometry = models.geometry_for(family, vae, args.h, args.w, getattr(args, "num_frames", None),
+                                   condition=dataset.condition_size)  # an edit store: its sources' size
     decode_batch = 0  # the CPU decodes a whole batch per call; a GPU/NPU in calls planned within 4 GiB
     if dist.device.type in ACCELERATOR_TYPES:
         decode_batch = auto_decode_batch_size(args.pretrained_model_name_or_path, args.h, args.w,
@@ -161,11 +164,16 @@ def sample(args: argparse.Namespace, taken: str | None, base: dict | None) -> No
         images = evaluation.ode_images(model, vae, dataset, ids, idx, cfg, noise, geometry, device=dist.device,
                                        amp_dtype=amp_dtype)  # (b, 3, H, W)
         prompts = [dataset.prompts[i] for i in ids]
-        scores = reward_fn(images, prompts) if reward_fn is not None else {}
+        sources = dataset.source_images(ids)  # an edit store's sources, which edit rewards compare with
+        scores = reward_fn(images, prompts, sources) if reward_fn is not None else {}
+        if sources is not None and "source_distance" not in scores:  # the edits' watch, with or without a reward
+            scores["source_distance"] = source_distance(images, sources)
         if eval_reward_fn is not None:  # each extra reward and its checks, outside --reward's total
-            scores = {**scores, **evaluation.extra_scores(eval_reward_fn(images, prompts), scores)}
+            scores = {**scores, **evaluation.extra_scores(eval_reward_fn(images, prompts, sources), scores)}
         for j, (p, k) in enumerate(zip(ids, idx)):  # a video: videos/NAME.mp4 and its frame strip as the PNG
             files = evaluation.save_sample(images[j], out, image_name(p, k), getattr(args, "fps", None))
+            if sources is not None:  # the source it edited: the store's copy
+                files["source"] = str(source_file(dataset.root, p))
             rows.append({"prompt_id": p, "sample_index": k, "prompt": prompts[j], "seed": args.seed, **files,
                          **{name: float(v[j]) for name, v in scores.items()}})
     seconds = D.all_reduce_max(time.perf_counter() - t0)

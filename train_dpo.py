@@ -46,7 +46,7 @@ def train(args: argparse.Namespace) -> None:
         geometry, dataset, sampler, rollout_cfg = run.prompt_groups()  # reward spec, embeddings checked
     else:  # every line checked (paths, prompts, image sizes) before any model is loaded
         geometry, dataset, rollout_cfg = run.sampling_inputs()
-        pairs = read_preference_file(args.preference_file, dataset.prompts, args.h, args.w)
+        pairs = read_preference_file(args.preference_file, dataset.prompts, args.h, args.w, dataset.source_paths)
         sampler = GroupSampler(len(pairs), args.prompts_per_step, 1, seed=args.seed, rank=dist.dp_rank,
                                world_size=dist.dp_size)
 
@@ -67,7 +67,7 @@ def train(args: argparse.Namespace) -> None:
             # ---- 1. sample with the current policy (no grad), batched -------------------------------
             batch = training.batch_to(dataset.get_batch(samples.prompt_ids), device)
             policy.model.eval()
-            pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: each micro-batch scored as decoded
+            pending = run.pending_rewards(batch["prompts"], batch["prompt_ids"])  # --reward_overlap: scored as decoded
             traj = rollout(policy.model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
                            device=device, autocast_dtype=amp_dtype, on_decoded=pending)
             policy.model.train()

@@ -50,7 +50,7 @@ def train(args: argparse.Namespace) -> None:
         # ---- 1. rollout with the current (= old) policy, no grad (--reward_overlap: scored as decoded) ----
         t0 = time.perf_counter()
         policy.model.eval()
-        pending = run.pending_rewards(batch["prompts"])
+        pending = run.pending_rewards(batch["prompts"], batch["prompt_ids"])
         traj = rollout(policy.model, vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
                        device=device, autocast_dtype=amp_dtype, keep_means=loss_entry.needs_means,
                        on_decoded=pending)

@@ -60,7 +60,7 @@ def train(args: argparse.Namespace) -> None:
 
         # ---- 1. rollout with the old policy (AWM on-policy: theta): deterministic, no grad; keep x0 ----------
         policy.model.eval()
-        pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: each micro-batch scored as decoded
+        pending = run.pending_rewards(batch["prompts"], batch["prompt_ids"])  # --reward_overlap: scored as decoded
         with (old.active() if samples_with_old else contextlib.nullcontext(policy.model)) as sampling_model:
             traj = rollout(sampling_model, run.vae, batch, samples.sample_indices, step, rollout_cfg, noise, geometry,
                            device=device, autocast_dtype=amp_dtype, keep_latents=False, on_decoded=pending)

@@ -386,8 +386,8 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
     sources = None
     if family.edit:
         if edit_file is None:
-            raise ValueError(f"the {family.name} family edits a source image: pass --edit_file pairs.jsonl ({{\"image\": "
-                             "..., \"prompt\": ...} per line) instead of --prompt_file (docs/editing.md)")
+            raise ValueError(f"the {family.name} family edits a source image: pass --edit_file pairs.jsonl "
+                             "({\"image\": ..., \"prompt\": ...} per line) instead of --prompt_file (docs/editing.md)")
         sources = edits.EditSources.open(edit_file, edit_size)
         prompts, prompt_file = sources.prompts, edit_file
     elif edit_file is not None:
@@ -581,11 +581,22 @@ class EmbeddingDataset:
         edit = self.manifest.get("edit")
         return None if not edit else (int(edit["height"]), int(edit["width"]))
 
-    def source_images(self, prompt_ids: list[int]) -> torch.Tensor:
-        """An edit store's sources of ``prompt_ids`` (B, 3, H, W) float32 in [0, 1] (the pixels the VAE encoded)."""
+    @property
+    def source_paths(self) -> list[str] | None:
+        """An edit store's source image per id, as preprocessing read it (its edit file's paths, resolved); None for
+        a prompt store."""
+        return None if self.condition_size is None else [p["image"] for p in self.manifest["prompts"]]
+
+    def source_images(self, prompt_ids: Any) -> torch.Tensor | None:
+        """An edit store's sources of ``prompt_ids`` (a list or tensor; repeats read once) as (B, 3, H, W) float32 in
+        [0, 1] on the CPU: the pixels the VAE encoded, what edit rewards compare the edits with; None for a prompt
+        store."""
         if self.condition_size is None:
-            raise ValueError(f"{self.root} holds prompts, not edits: it has no source images")
-        return edits.read_sources(self.root, [self._check_id(i) for i in prompt_ids])
+            return None
+        ids = [self._check_id(i) for i in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+        unique = sorted(set(ids))
+        images = edits.read_sources(self.root, unique)
+        return images[[unique.index(i) for i in ids]]
 
     @property
     def negative_prompt(self) -> str | None:

@@ -210,7 +210,8 @@ def check_compare_prompts(base: dict[str, Any], prompts: list[str], where: str) 
 def write_sample_index(out: Path, rows: list[dict], seconds: float) -> dict[str, Any]:
     """OUT/index.jsonl (one row per image, in (prompt, image) order) and OUT/summary.json (counts, time and
     ``summarize`` of every reward); returns the summary."""
-    reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path", "video")]
+    reward_names = [k for k in rows[0] if k not in ("prompt_id", "sample_index", "prompt", "seed", "path", "video",
+                                                    "source")]
     ids = torch.tensor([r["prompt_id"] for r in rows])
     summary = {"num_images": len(rows), "num_prompts": len({r["prompt_id"] for r in rows}),
                "seconds": seconds, "images_per_second": len(rows) / max(seconds, 1e-9),

@@ -1,8 +1,10 @@
 """Offline Diffusion-DPO inputs: the preference-pair file, its VAE latent cache, and a demo pair maker.
 
 Pair file (``--preference_file``): JSON lines ``{"prompt": str, "chosen": path, "rejected": path}``, blank
-lines skipped, other keys ignored. Image paths are relative to the file's folder and may not leave it; every
-prompt must be in the embedding manifest (``preprocess_embeddings.py``), since DPO reads its embeddings there.
+lines skipped, other keys ignored; on an edit store (``--edit_file``) each line also names the edit's source,
+``"image": path``, as the edit file does (the pair is of two edits of that source). Image paths are relative to
+the file's folder and may not leave it; every prompt must be in the embedding manifest (``preprocess_embeddings.py``),
+since DPO reads its embeddings there.
 The whole file is checked before anything is loaded, and every problem is reported in one error.
 
 Latent cache layout (derived data; the only thing this module ever deletes)::
@@ -100,12 +102,13 @@ def _problem_message(path: Path, problems: list[str], missing_prompts: list[str]
     return "\n".join(lines)
 
 
-def read_preference_file(path: str | os.PathLike, prompts: list[str], height: int, width: int
-                         ) -> list[PreferencePair]:
+def read_preference_file(path: str | os.PathLike, prompts: list[str], height: int, width: int,
+                         sources: list[str] | None = None) -> list[PreferencePair]:
     """Parse and check a pair file against the manifest prompts and the image size; one ValueError lists all problems.
 
     Prompts are matched after stripping surrounding whitespace (as preprocess_embeddings.py stores them); a
-    prompt that appears several times in the manifest maps to its first id.
+    prompt that appears several times in the manifest maps to its first id. ``sources`` (an edit store: each id's
+    source image path): a line is matched by its prompt and its ``"image"``, resolved against the pair file's folder.
     """
     path = Path(path)
     if path.is_dir():
@@ -115,9 +118,9 @@ def read_preference_file(path: str | os.PathLike, prompts: list[str], height: in
                                 '{"prompt": ..., "chosen": ..., "rejected": ...} per line (image paths relative to '
                                 "its folder), or make a demo one with `python -m fastvideo.preference`")
     root = path.parent.resolve()
-    prompt_ids: dict[str, int] = {}
+    prompt_ids: dict[Any, int] = {}
     for i, prompt in enumerate(prompts):
-        prompt_ids.setdefault(prompt, i)
+        prompt_ids.setdefault(prompt if sources is None else (prompt, str(Path(sources[i]).resolve())), i)
     checked: dict[str, tuple[Path | None, str]] = {}  # the same image may be in many pairs: check it once
     problems: list[str] = []
     missing_prompts: list[str] = []
@@ -148,8 +151,18 @@ def read_preference_file(path: str | os.PathLike, prompts: list[str], height: in
                 problems.append(f"{where}: prompt must be a non-empty string, got {prompt!r}")
             else:
                 prompt = prompt.strip()
-                prompt_id = prompt_ids.get(prompt)
-                if prompt_id is None:
+                key: Any = prompt
+                if sources is not None:  # an edit: the instruction and its source image
+                    image = record.get("image")
+                    if not isinstance(image, str):
+                        problems.append(f"{where}: missing key 'image' (the source image these two edits start "
+                                        "from: the store holds edits)")
+                        continue
+                    key = (prompt, str((root / image).resolve()))
+                prompt_id = prompt_ids.get(key)
+                if prompt_id is None and sources is not None:
+                    problems.append(f"{where}: the edit ({prompt!r}, image {record['image']}) is not in the edit store")
+                elif prompt_id is None:
                     problems.append(f"{where}: prompt {prompt!r} is not in the embedding manifest")
                     if prompt not in missing_prompts:
                         missing_prompts.append(prompt)
@@ -400,14 +413,15 @@ def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.Path
     reward_fn = build_reward(reward, device)  # fails on a bad spec before the models load
     transformer = family.load_transformer(model_path, device=device).eval().requires_grad_(False)
     vae = family.load_vae(model_path, device=device)
-    geometry = family.latent_geometry(vae, height, width)
+    geometry = models.geometry_for(family, vae, height, width, condition=dataset.condition_size)
 
     G = num_generations
     prompt_ids = [p for p in range(num_pairs) for _ in range(G)]  # [p0 g0..gG-1, p1 ...]
     batch = dataset.get_batch(prompt_ids)
     traj = rollout(transformer, vae, batch, [g for _ in range(num_pairs) for g in range(G)], 0, cfg,
                    NoiseSource(seed), geometry, device=device)
-    scores = reward_fn(traj.images, batch["prompts"])["total"].view(num_pairs, G)
+    sources = dataset.source_images(prompt_ids)  # an edit store: the rewards compare each edit with its source
+    scores = reward_fn(traj.images, batch["prompts"], sources)["total"].view(num_pairs, G)
 
     out = Path(output_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -415,6 +429,8 @@ def make_demo_pairs(model_path: str | os.PathLike, data_json_path: str | os.Path
     for p in range(num_pairs):
         order = torch.argsort(scores[p], descending=True, stable=True).tolist()  # distinct ends even on ties
         record: dict[str, Any] = {"prompt": dataset.prompts[p]}
+        if dataset.source_paths is not None:  # an edit: its source, as the edit file named it (resolved)
+            record["image"] = dataset.source_paths[p]
         for key, g in (("chosen", order[0]), ("rejected", order[-1])):
             relative = f"images/{p:05d}-{key}.png"
             _save_png(traj.images[p * G + g], out / relative)

@@ -54,12 +54,14 @@ class PendingRewards:
     prompts: list[str]  # this rank's, in sample order
     share: slice  # the positions this rank scores (its sequence-parallel group's share; all without --sp_size)
     mine: int  # how many of the scores it sends (0: an empty share scored one image for the reward's keys)
+    sources: torch.Tensor | None = None  # an edit run's source images, this rank's, in sample order
 
     def __call__(self, mb: slice, images: torch.Tensor) -> None:
-        """Submit the images of micro-batch ``mb`` that lie in this rank's share."""
+        """Submit the images of micro-batch ``mb`` that lie in this rank's share (with their sources)."""
         lo, hi = max(mb.start, self.share.start), min(mb.stop, self.share.stop)
         if lo < hi:
-            self.scorer.submit(images[lo - mb.start:hi - mb.start], self.prompts[lo:hi])
+            self.scorer.submit(images[lo - mb.start:hi - mb.start], self.prompts[lo:hi],
+                               None if self.sources is None else self.sources[lo:hi])
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Run:
     geometry: Any = None
     rollout_cfg: RolloutConfig | None = None  # the sampler's settings, built once by sampling_inputs
     eval_dataset: Any = None  # EmbeddingDataset of --eval_prompts
+    dataset: Any = None  # EmbeddingDataset of --data_json_path (``sampling_inputs``)
     train_seconds: float = 0.0  # wall-clock of training steps so far (evaluation excluded; resumed from checkpoints)
     step_started: float = 0.0
     consecutive_skips: int = 0  # updates skipped in a row (non-finite gradient norm); see --max_consecutive_skips
@@ -145,13 +148,23 @@ class Run:
             for spec in filter(None, (args.reward, eval_reward)):
                 check_reward_prompts(spec, self.eval_dataset.prompts, f"--eval_prompts {args.eval_prompts}",
                                      judge_score=args.judge_score)
+            if self.eval_dataset.condition_size != dataset.condition_size:
+                raise ValueError(f"--eval_prompts holds sources of {self.eval_dataset.condition_size} but "
+                                 f"--data_json_path of {dataset.condition_size} (height, width): preprocess the "
+                                 "evaluation edits with the training store's --edit_size")
             if self.eval_dataset.max_sequence_length != dataset.max_sequence_length:
                 raise ValueError(f"--eval_prompts has {self.eval_dataset.max_sequence_length} text tokens but "
                                  f"--data_json_path has {dataset.max_sequence_length}: preprocess the evaluation "
                                  f"prompts with --max_sequence_length {dataset.max_sequence_length}, or pass the "
                                  "prompt file itself (it is then encoded with the training data's length)")
-        self.geometry, self.rollout_cfg = geometry, RolloutConfig.from_args(args)
+        self.geometry, self.rollout_cfg, self.dataset = geometry, RolloutConfig.from_args(args), dataset
         return geometry, dataset, self.rollout_cfg
+
+    @staticmethod
+    def sources_of(dataset: Any, prompt_ids: Any) -> torch.Tensor | None:
+        """An edit store's source images of ``prompt_ids`` (``EmbeddingDataset.source_images``); None for a prompt
+        store or none."""
+        return None if dataset is None else dataset.source_images(prompt_ids)
 
     def prompt_groups(self) -> tuple[Any, Any, Any, Any]:
         """The inputs of a trainer that samples --num_generations images for each of --prompts_per_step prompts per
@@ -249,12 +262,13 @@ class Run:
                                            self.rollout_cfg, noise, self.geometry, device=self.device,
                                            amp_dtype=self.amp_dtype)
         prompts = [ds.prompts[i] for i in prompt_ids]
-        rewards, _ = self.score(images, prompts)  # gathered: entries >= total are padding
+        sources = self.sources_of(ds, prompt_ids)
+        rewards, _ = self.score(images, prompts, sources=sources)  # gathered: entries >= total are padding
         all_ids = torch.arange(total) // args.eval_num_images  # the global order of evaluation.image_items
         summary = evaluation.reward_summary({k: v[:total] for k, v in rewards.items()}, all_ids)
         metrics = evaluation.eval_metrics(summary)
         if self.eval_reward_fn is not None:  # --eval_reward: eval/<name>, eval/<name>_<key>, beside eval/reward_*
-            extra, _ = self.score(images, prompts, self.eval_reward_fn)
+            extra, _ = self.score(images, prompts, self.eval_reward_fn, sources=sources)
             extra = evaluation.extra_scores({k: v[:total] for k, v in extra.items()}, rewards)
             metrics.update(evaluation.extra_eval_metrics(evaluation.reward_summary(extra, all_ids)))
         shown = D.gather_samples(images[:min(real, -(-16 // dist.dp_size))].cpu())  # (<= 16 + dp, 3, H, W)
@@ -266,14 +280,16 @@ class Run:
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
-    def pending_rewards(self, prompts: list[str]) -> PendingRewards | None:
-        """With --reward_overlap, the scoring of the coming rollout (``prompts``: this rank's, in sample order): pass it
-        as ``rollout(..., on_decoded=...)`` and then to ``score_rollout``; None without it, or with --replay_images
-        (the recorded images replace the rollout's after it), for the sequential path."""
+    def pending_rewards(self, prompts: list[str], prompt_ids: Any = None) -> PendingRewards | None:
+        """With --reward_overlap, the scoring of the coming rollout (``prompts``: this rank's, in sample order; their
+        ``prompt_ids`` give an edit run's sources): pass it as ``rollout(..., on_decoded=...)`` and then to
+        ``score_rollout``; None without it, or with --replay_images (the recorded images replace the rollout's after
+        it), for the sequential path."""
         if self.scorer is None or (self.replay is not None and self.replay.use_images):
             return None
         share, mine = self._reward_share(len(prompts))
-        return PendingRewards(self.scorer, list(prompts), share, mine)
+        sources = None if prompt_ids is None else self.sources_of(self.dataset, prompt_ids)
+        return PendingRewards(self.scorer, list(prompts), share, mine, sources)
 
     def score_rollout(self, traj: Any, prompts: list[str], pending: PendingRewards | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -288,7 +304,7 @@ class Run:
         if pending is None:
             if self.replay is not None and self.replay.use_images:
                 images = self.replay.images(traj.step, prompt_ids, sample_indices, like=images)
-            rewards, seconds = self.score(images, prompts)
+            rewards, seconds = self.score(images, prompts, sources=self.sources_of(self.dataset, prompt_ids))
             times = {"time_reward": seconds, "time_reward_busy": seconds}
         else:
             t0 = time.perf_counter()
@@ -304,19 +320,22 @@ class Run:
                                       {k: self.local(v) for k, v in rewards.items()}, log_probs)
         return rewards, times
 
-    def score(self, images: torch.Tensor, prompts: list[str], reward_fn: Callable | None = None
-              ) -> tuple[dict[str, torch.Tensor], float]:
+    def score(self, images: torch.Tensor, prompts: list[str], reward_fn: Callable | None = None,
+              sources: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], float]:
         """Reward this rank's images in one batched call of ``reward_fn`` (default: --reward's), all-gathered over
         ranks (``gather_rewards``): ``name -> (P*G,)`` CPU float32 in global sample order (every component and
-        "total"; a prompt group may span ranks), and the seconds the call took.
+        "total"; a prompt group may span ranks), and the seconds the call took. ``sources``: an edit run's source
+        images of these samples (``sources_of``), which the reward compares them with.
         Under --sp_size the ranks of a sequence-parallel group hold the same images: each scores its consecutive share,
         so every image is scored once and the gather is in sample order."""
         share, mine = self._reward_share(len(prompts))
         if self.dist.sp_size > 1:
             images, prompts = images[share], prompts[share]
+            sources = None if sources is None else sources[share]
         t0 = time.perf_counter()
         try:
-            local, error = (reward_fn or self.reward_fn)(images, prompts), None
+            fn = reward_fn or self.reward_fn
+            local, error = (fn(images, prompts) if sources is None else fn(images, prompts, sources=sources)), None
         except Exception as err:  # noqa: BLE001  (every rank raises it in gather_rewards)
             local, error = None, err
         seconds = time.perf_counter() - t0

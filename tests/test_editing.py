@@ -9,6 +9,9 @@ tests/test_family_flux_kontext.py.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import run_in_one_job, run_torchrun
+from helpers import REPO, run_in_one_job, run_torchrun
 
 H = W = 32  # target and source size (the tiny VAE: 4x, so 8 x 8 latents, 16 packed tokens each)
 MSL = 16
@@ -169,27 +172,90 @@ def _kontext_edit(model: Path, lora: Path | None, source: Image.Image) -> torch.
 
 
 def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kontext, tmp_path):
-    """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward): the first
-    update's ratios are 1, the update reaches the adapter, and the export changes the stock Kontext pipeline's edit."""
+    """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward), --reward_overlap
+    (the sources travel with each micro-batch): the first update's ratios are 1, the update reaches the adapter, the
+    source distance is logged beside the reward, and the export changes the stock Kontext pipeline's edit; then
+    sample.py on the run's export writes each edit with its source and the distance."""
     out = tmp_path / "grpo"
-    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2", "--timestep_fraction", "0.7")])
+    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2",
+                                                     "--timestep_fraction", "0.7", "--reward_overlap")])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
     assert rows[0]["ratio_first_update_max_dev"] < 1e-5 and rows[0]["grad_norm"] > 0, rows[0]
+    assert all(0.02 < r["reward_source_distance"] < 1 for r in rows), rows  # a random model's edit: not its source
     source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
     base, tuned = _kontext_edit(kontext["model"], None, source), _kontext_edit(kontext["model"], out / "final", source)
     assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
+    samples = tmp_path / "samples"
+    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(out), "--prompts", str(kontext["store"]),
+                           "--output_dir", str(samples), "--max_prompts", "2", "--num_images_per_prompt", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    index = [json.loads(line) for line in (samples / "index.jsonl").read_text().splitlines()]
+    assert [Path(r["source"]).name for r in index] == ["00000000.png", "00000001.png"]
+    for r in index:  # the distance sample.py logged is the one between the PNGs it names
+        edit = np.asarray(Image.open(samples / r["path"]), dtype=np.float64) / 255
+        original = np.asarray(Image.open(r["source"]), dtype=np.float64) / 255
+        assert abs(r["source_distance"] - np.abs(edit - original).mean()) < 3e-3, r
 
 
-@pytest.mark.slow(cover=EDIT_GRPO, cost_s=20)
+def test_edit_rewards_receive_the_sources_and_log_the_source_distance():
+    """A scorer that takes sources gets each edit's own; the others score the edit alone; ``source_distance`` is 0 for
+    an edit that returns its source and large for one that ignores it (a source of another size is resized first);
+    a reward that needs sources refuses a batch without (a text-to-image run)."""
+    from fastvideo.rewards import RewardFn
+
+    seen = {}
+
+    def preserve(images, prompts, sources=None):  # 1 - mean |edit - source|: a reward that sees the source
+        seen["sources"] = sources
+        return 1 - (images - sources).abs().mean(dim=(1, 2, 3))
+
+    preserve.takes_sources = preserve.needs_sources = True
+    brightness = lambda images, prompts: images.mean(dim=(1, 2, 3))  # noqa: E731
+    fn = RewardFn([("preserve", 2.0, preserve), ("brightness", 1.0, brightness)])
+    g = torch.Generator().manual_seed(0)
+    sources = torch.rand(3, 3, 16, 16, generator=g)
+    edits = torch.stack([sources[0], torch.rand(3, 16, 16, generator=g), sources[2] * 0.5])
+    out = fn(edits, ["a", "b", "c"], sources)
+    assert seen["sources"] is not None and torch.equal(seen["sources"], sources)
+    assert out["source_distance"][0] == 0 and out["source_distance"][1] > 0.25  # unchanged; ignored (uniform noise)
+    torch.testing.assert_close(out["source_distance"], (edits - sources).abs().mean(dim=(1, 2, 3)))
+    torch.testing.assert_close(out["total"], 2 * out["preserve"] + out["brightness"])
+    assert "source_distance" not in fn.names  # logged, never trained on
+    small = torch.nn.functional.avg_pool2d(sources, 2)  # an 8 x 8 source of a 16 x 16 edit: resized first
+    resized = torch.nn.functional.interpolate(small, size=(16, 16), mode="bilinear", antialias=True)
+    torch.testing.assert_close(RewardFn([("brightness", 1.0, brightness)])(edits, ["a", "b", "c"], small)[
+        "source_distance"], (edits - resized).abs().mean(dim=(1, 2, 3)))
+    with pytest.raises(ValueError, match="'preserve' compares an edit with its source image: it scores edit runs"):
+        fn(edits, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="one .3, h, w. source per edit"):
+        fn(edits, ["a", "b", "c"], sources[:2])
+
+
+@pytest.mark.slow(cover=EDIT_GRPO, cost_s=28)
 def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
-    """In one 2-rank job, 2 steps each on the edit store: online DPO (CFG rollout), DiffusionNFT and AWM with LoRA,
+    """In one 2-rank job, 2 steps each on the edit store: offline DPO on a pair file of edits (made by
+    ``python -m fastvideo.preference`` on the store), online DPO (CFG rollout), DiffusionNFT and AWM with LoRA,
     and GRPO as a full fine-tune: finite losses, a moving policy, LoRA exports the Kontext pipeline loads, and a
     transformer folder that differs from the base model's."""
     from diffusers import FluxTransformer2DModel
 
     lora = ["--lora_rank", "4"]
+    pairs = tmp_path / "pairs"  # offline DPO's pair file of edits: the best and worst of 3 edits of each source
+    proc = subprocess.run([sys.executable, "-m", "fastvideo.preference", "--model_path", str(kontext["model"]),
+                           "--data_json_path", str(kontext["store"]), "--output_dir", str(pairs), "--num_pairs", "4",
+                           "--num_generations", "3", "--h", str(H), "--w", str(W), "--sampling_steps", "2",
+                           "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all("image" in json.loads(line) for line in (pairs / "pairs.jsonl").read_text().splitlines())
     run_in_one_job([
+        ("train_dpo.py", ["--pretrained_model_name_or_path", str(kontext["model"]), "--data_json_path",
+                          str(kontext["store"]), "--output_dir", str(tmp_path / "offline"), "--device", "cpu", "--h",
+                          str(H), "--w", str(W), "--preference_file", str(pairs / "pairs.jsonl"),
+                          "--train_batch_size", "2", "--learning_rate", "1e-3", "--seed", "3", "--no-progress_bar",
+                          "--max_train_steps", "2", "--checkpointing_steps", "100", *lora]),
         ("train_dpo.py", _train_args(kontext, tmp_path / "dpo", *lora, "--cfg_scale", "2")),
         ("train_nft.py", _train_args(kontext, tmp_path / "nft", *lora)),
         ("train_nft.py", _train_args(kontext, tmp_path / "awm", *lora, "--objective", "awm", "--awm_timesteps", "2")),
@@ -198,7 +264,7 @@ def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
     ], tmp_path)
     source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
     base = _kontext_edit(kontext["model"], None, source)
-    for name in ("dpo", "nft", "awm"):
+    for name in ("offline", "dpo", "nft", "awm"):
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows), (name, rows)
         assert (_kontext_edit(kontext["model"], tmp_path / name / "final", source) - base).abs().max() > 1e-4, name

@@ -334,10 +334,15 @@ class RewardFn:
         """Component name -> weight."""
         return {name: weight for name, weight, _ in self.components}
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
         """Score a batch; all outputs are detached (B,) float32 CPU tensors, "total" = sum of weight * component
         (a dict-returning scorer adds its extra entries as ``name_key``, outside the total). Videos (B, F, 3, H, W):
-        ``score_video``."""
+        ``score_video``. ``sources`` (B, 3, h, w) in [0, 1]: an edit's source images (docs/editing.md): a scorer that
+        declares ``takes_sources`` receives them (``sources=``; one that ``needs_sources`` refuses a batch without),
+        and ``source_distance`` (``source_distance``) is logged beside the total, never added to it."""
+        if sources is not None:
+            return self.score_edits(images, prompts, sources)
         if torch.is_tensor(images) and images.ndim == 5 and images.shape[2] == 3:
             return self.score_video(images, prompts)
         if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3:
@@ -352,6 +357,9 @@ class RewardFn:
         step = self.batch_size or images.shape[0]
         with torch.no_grad():
             for name, weight, scorer in self.components:
+                if getattr(scorer, "needs_sources", False):
+                    raise ValueError(f"reward {name!r} compares an edit with its source image: it scores edit runs "
+                                     "only (a store made with preprocess_embeddings.py --edit_file; docs/editing.md)")
                 chunks = [scorer(images[i:i + step], prompts[i:i + step]) for i in range(0, images.shape[0], step)]
                 result = chunks[0] if len(chunks) == 1 else _concat(chunks)
                 out.update(self._entries(name, result, images, prompts))
@@ -395,6 +403,39 @@ class RewardFn:
         return {"total": total, **{n: out.pop(n) for n in self.names}, **out,
                 "frame_change": change.detach().to("cpu", torch.float32)}
 
+    def score_edits(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor
+                    ) -> dict[str, torch.Tensor]:
+        """Edits (B, 3, H, W) of ``sources`` (B, 3, h, w): the scorers that take sources get them, the others score
+        the edits alone; plus ``source_distance``, the edit's mean absolute pixel difference from its source (resized
+        to the edit's size where they differ): the reward-hacking watch of an edit run, near 0 when the model returns
+        its source unchanged, large when it ignores the source."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not torch.is_tensor(images) or images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"edit rewards take images of shape (B, 3, H, W) in [0, 1], got "
+                             f"{tuple(images.shape) if torch.is_tensor(images) else type(images).__name__}")
+        if sources.ndim != 4 or sources.shape[:2] != images.shape[:2]:
+            raise ValueError(f"got {tuple(sources.shape)} sources for {tuple(images.shape)} edits; pass one (3, h, w) "
+                             "source per edit")
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"got {images.shape[0]} images but {len(prompts)} prompts; pass one prompt per image")
+        sources = sources.to(images.device, images.dtype)
+        plain = [c for c in self.components if not getattr(c[2], "takes_sources", False)]
+        out = dataclasses.replace(self, components=plain)(images, prompts) if plain else {}
+        out.pop("total", None)
+        step = self.batch_size or images.shape[0]
+        with torch.no_grad():
+            for name, _, scorer in self.components:
+                if (name, scorer) in {(n, s) for n, _, s in plain}:
+                    continue
+                chunks = [scorer(images[i:i + step], prompts[i:i + step], sources=sources[i:i + step])
+                          for i in range(0, images.shape[0], step)]
+                out.update(self._entries(name, chunks[0] if len(chunks) == 1 else _concat(chunks), images, prompts))
+        total = torch.zeros(images.shape[0], dtype=torch.float32)
+        for name, weight, _ in self.components:
+            total = total + weight * out[name]
+        return {"total": total, **{n: out.pop(n) for n in self.names}, **out,
+                "source_distance": source_distance(images, sources)}
+
     def _entries(self, name: str, result: Any, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """One component's outputs as detached (B,) float32 CPU tensors: the score as ``name`` (a dict's "score"),
         a dict's other entries as ``name_key``; non-finite values refused here when ``nonfinite`` is "error"."""
@@ -417,6 +458,15 @@ class RewardFn:
 
 
 FRAME_REDUCES = ("mean", "min", "first", "last")
+
+
+def source_distance(images: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """(B,) float32 CPU: the mean absolute pixel difference of each edit (B, 3, H, W) from its source (B, 3, h, w),
+    both in [0, 1]; a source of another size is resized to the edit's (bilinear, antialiased) first."""
+    if sources.shape[-2:] != images.shape[-2:]:
+        sources = torch.nn.functional.interpolate(sources.float(), size=images.shape[-2:], mode="bilinear",
+                                                  antialias=True, align_corners=False)
+    return (images.float() - sources.float()).abs().mean(dim=(1, 2, 3)).detach().to("cpu", torch.float32)
 
 
 def frame_index(frames: int, reward_frames: int = 0, frame_reduce: str = "mean") -> torch.Tensor:

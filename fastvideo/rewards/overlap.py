@@ -35,19 +35,22 @@ class OverlapScorer:
         self._pending: list[Future] = []
         self._failed = False  # a micro-batch of the current rollout failed: skip the rest (join raises it)
 
-    def submit(self, images: torch.Tensor, prompts: Sequence[str]) -> None:
-        """Queue ``images`` (b, 3, H, W) in [0, 1] and their ``prompts`` for scoring; returns at once."""
+    def submit(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None) -> None:
+        """Queue ``images`` (b, 3, H, W) in [0, 1] and their ``prompts`` (an edit run: and ``sources``) for scoring;
+        returns at once."""
         ready = devices.record_event(images.device)  # the decode is queued on the caller's stream before this
-        self._pending.append(self._pool.submit(self._score, images, list(prompts), ready))
+        self._pending.append(self._pool.submit(self._score, images, list(prompts), ready, sources))
 
-    def _score(self, images: torch.Tensor, prompts: list[str], ready: Any) -> tuple[dict[str, torch.Tensor], float]:
+    def _score(self, images: torch.Tensor, prompts: list[str], ready: Any, sources: torch.Tensor | None = None
+               ) -> tuple[dict[str, torch.Tensor], float]:
         """On the worker thread: one micro-batch's scores and the seconds they took (nothing after a failure)."""
         if self._failed:
             return {}, 0.0
         t0 = time.perf_counter()
         try:
             with devices.on_stream(self.stream, after=ready, tensors=(images,)):
-                scores = self.reward_fn(images, prompts)
+                scores = (self.reward_fn(images, prompts) if sources is None
+                          else self.reward_fn(images, prompts, sources=sources))
         except BaseException:
             self._failed = True
             raise
