@@ -60,8 +60,11 @@ class PendingRewards:
         """Submit the images of micro-batch ``mb`` that lie in this rank's share (with their sources)."""
         lo, hi = max(mb.start, self.share.start), min(mb.stop, self.share.stop)
         if lo < hi:
-            self.scorer.submit(images[lo - mb.start:hi - mb.start], self.prompts[lo:hi],
-                               None if self.sources is None else self.sources[lo:hi])
+            part = (images[lo - mb.start:hi - mb.start], self.prompts[lo:hi])
+            if self.sources is None:
+                self.scorer.submit(*part)
+            else:
+                self.scorer.submit(*part, self.sources[lo:hi])
 
 
 @dataclass

@@ -113,9 +113,11 @@ def test_wire_format_is_lossless(dtype):
     for x, wire in ((images(2, 8).to(dtype), dtype), (images(2, 8, bf16_exact=True).to(dtype), torch.bfloat16),
                     (special.view(1, 3, 4, 4), dtype)):
         assert wire_dtype(x) == wire
-        back, prompts = decode_request(encode_request(x, ["a"] * x.shape[0]))
-        assert back.dtype == dtype and prompts == ["a"] * x.shape[0]
+        back, prompts, sources = decode_request(encode_request(x, ["a"] * x.shape[0]))
+        assert back.dtype == dtype and prompts == ["a"] * x.shape[0] and sources is None
         assert torch.equal(back.view(-1).view(torch.uint8), x.reshape(-1).view(torch.uint8))  # NaNs too
+        _, _, sources = decode_request(encode_request(x, ["a"] * x.shape[0], x.flip(0)))  # an edit's sources
+        assert torch.equal(sources.view(-1).view(torch.uint8), x.flip(0).reshape(-1).view(torch.uint8))
 
 
 def test_server_flag_errors(capsys):
@@ -173,6 +175,23 @@ def test_remote_toyworld_equals_local(toy_server, token, toy_local, bf16_exact):
     assert wire_dtype(x) == (torch.bfloat16 if bf16_exact else torch.float32)
     remote = build_reward(f"remote:{toy_server}")
     assert_remote_equals_local(toy_local(x, PROMPTS[:6]), remote(x, PROMPTS[:6]))
+
+
+def test_an_edits_sources_travel_with_its_images(toy_server, token, toy_local):
+    """An edit run's request carries each image's source (a wire tensor of its own): the server's reward gets them
+    (its source_distance, remote_source_distance here, equals the local one bit for bit), requests cut by
+    --remote_batch_size keep each source with its image, and a body whose sources do not match its images is
+    refused saying so."""
+    x, prompts = images(6, 32, seed=4, bf16_exact=True), PROMPTS[:6]
+    sources = images(6, 16, seed=5, bf16_exact=True)  # another size than the edits: resized for the distance
+    local = toy_local(x, prompts, sources)
+    remote = build_reward(f"remote:{toy_server}", remote_batch_size=4)(x, prompts, sources)
+    assert torch.equal(remote["remote_source_distance"], local["source_distance"])
+    assert torch.equal(remote["source_distance"], local["source_distance"]) and torch.equal(remote["remote"],
+                                                                                             local["total"])
+    body = encode_request(x[:2], prompts[:2], sources[:1])
+    with pytest.raises(RewardServerError, match="HTTP 400: got 2 images but 1 sources; send one source per image"):
+        post(toy_server, body)
 
 
 def test_weighted_sum_with_a_local_reward(toy_server, token, toy_local):

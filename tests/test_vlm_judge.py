@@ -494,6 +494,36 @@ def test_absurd_logprobs_are_the_judges_own_error():
                                            {"token": "No", "logprob": 0.0}]) == 0.0
 
 
+def test_judge_sees_an_edits_source_then_the_edit(server, local, token):
+    """On an edit run the judge's request shows the source and then the edit with the edit question, and the score is
+    the model's own P(yes) for that two-image message; OCR reads the edit alone."""
+    from PIL import Image
+
+    edits = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    sources = torch.rand(2, 3, 24, 24, generator=torch.Generator().manual_seed(6))  # another size: sent as it is
+    prompts = ["make the square red", "remove the circle"]
+    scored = build_reward(f"vlm_judge:{server}/v1:1.0", "cpu")(edits, prompts, sources)
+    processor, model = local
+    expected = []
+    for edit, source, prompt in zip(edits, sources, prompts):
+        shown = [Image.fromarray(_pixels(x[None])[0].numpy()) for x in (source, edit)]
+        text = vlm_judge.render(vlm_judge.EDIT_TEMPLATES["yes_no"], prompt, 10)
+        messages = [{"role": "user", "content": [*({"type": "image", "image": i} for i in shown),
+                                                 {"type": "text", "text": text}]}]
+        inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, -1]
+        top = torch.log_softmax(logits.float(), -1).topk(20)
+        words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
+        p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
+        expected.append(p["yes"] / (p["yes"] + p["no"]))
+    assert scored["vlm_judge"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert scored["vlm_judge"].tolist() != pytest.approx(build_reward(f"vlm_judge:{server}/v1:1.0", "cpu")(
+        edits, prompts)["vlm_judge"].tolist(), abs=1e-5)  # the source changed what the judge saw
+    assert vlm_judge.build(f"{server}/v1", "cpu", judge_score="ocr").edit_template is None
+
+
 def test_judge_sees_a_videos_frames_in_one_request(server, local, token):
     """A video reward through the judge: RewardFn sends each video's --reward_frames frames (in order) in one request
     with the video template, and the score is the model's own P(yes) for that multi-image message; OCR has no video

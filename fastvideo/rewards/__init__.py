@@ -425,8 +425,8 @@ class RewardFn:
         step = self.batch_size or images.shape[0]
         with torch.no_grad():
             for name, _, scorer in self.components:
-                if (name, scorer) in {(n, s) for n, _, s in plain}:
-                    continue
+                if not getattr(scorer, "takes_sources", False):
+                    continue  # scored above, on the edits alone
                 chunks = [scorer(images[i:i + step], prompts[i:i + step], sources=sources[i:i + step])
                           for i in range(0, images.shape[0], step)]
                 out.update(self._entries(name, chunks[0] if len(chunks) == 1 else _concat(chunks), images, prompts))

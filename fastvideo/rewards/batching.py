@@ -38,17 +38,19 @@ class Gone(Exception):
 
 @dataclass
 class _Pending:
-    """A request waiting in the queue: its images, prompts and the future its handler awaits."""
+    """A request waiting in the queue: its images, prompts, the future its handler awaits, and an edit's sources."""
 
     images: torch.Tensor
     prompts: list[str]
     future: asyncio.Future
     arrived: float
+    sources: torch.Tensor | None = None
 
     @property
     def key(self) -> tuple:
-        """What requests must share to be merged: image size and dtype."""
-        return tuple(self.images.shape[1:]), self.images.dtype
+        """What requests must share to be merged: image size and dtype, and the sources' size (None: no sources)."""
+        return (tuple(self.images.shape[1:]), self.images.dtype,
+                None if self.sources is None else tuple(self.sources.shape[1:]))
 
 
 @dataclass
@@ -73,14 +75,14 @@ class Batcher:
         """Requests queued and not cancelled."""
         return sum(not p.future.done() for p in self._queue)
 
-    def admit(self, images: torch.Tensor, prompts: list[str]) -> _Pending:
+    def admit(self, images: torch.Tensor, prompts: list[str], sources: torch.Tensor | None = None) -> _Pending:
         """Queue one request (``Busy`` when ``max_queue`` already wait)."""
         waiting = self.waiting()
         if waiting >= self.max_queue:
             self.counters["refused_busy"] += 1
             raise Busy(waiting, max(1, round(self.max_wait_s + self._last_call_s + 0.5)))
         loop = asyncio.get_running_loop()
-        pending = _Pending(images, prompts, loop.create_future(), loop.time())
+        pending = _Pending(images, prompts, loop.create_future(), loop.time(), sources)
         self._queue.append(pending)
         self.counters["requests"] += 1
         self._event().set()
@@ -161,12 +163,14 @@ class Batcher:
         if not live:
             return
         parts = [p.images for p in live]
+        sources = None if live[0].sources is None else [p.sources for p in live]  # one key: all or none have them
         prompts = [prompt for p in live for prompt in p.prompts]
         self.counters["batches"] += 1
         batch_id = self.counters["batches"]
         started = time.perf_counter()
         try:
-            scores = await asyncio.get_running_loop().run_in_executor(self._worker, self._call, parts, prompts)
+            scores = await asyncio.get_running_loop().run_in_executor(self._worker, self._call, parts, prompts,
+                                                                      sources)
         except Exception as err:  # noqa: BLE001 -- handed to the request(s), which answer 400/500
             if len(live) > 1:
                 for p in live:
@@ -191,11 +195,16 @@ class Batcher:
                                                "reward_s": seconds}})
             start += n
 
-    def _call(self, parts: list[torch.Tensor], prompts: list[str]) -> dict[str, list[float]]:
-        """The reward of the requests' images joined, on the worker thread: scores as lists of floats (exact float32
-        values)."""
+    def _call(self, parts: list[torch.Tensor], prompts: list[str], sources: list[torch.Tensor] | None = None
+              ) -> dict[str, list[float]]:
+        """The reward of the requests' images joined (with their sources), on the worker thread: scores as lists of
+        floats (exact float32 values)."""
         images = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.call_delay_s:
             time.sleep(self.call_delay_s)
-        scores = self.reward_fn(images.to(self.reward_fn.device), prompts)
+        if sources is None:
+            scores = self.reward_fn(images.to(self.reward_fn.device), prompts)
+        else:
+            scores = self.reward_fn(images.to(self.reward_fn.device), prompts,
+                                    torch.cat(sources).to(self.reward_fn.device))
         return {key: value.tolist() for key, value in scores.items()}

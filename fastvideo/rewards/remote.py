@@ -7,7 +7,9 @@ its value (``remote``) and each server component as ``remote_<component>`` (``re
 
 Wire format (one POST ``URL/score`` per request; ``encode_request`` / ``decode_request``): the body is a safetensors
 file holding ``images`` (B, 3, H, W) with metadata ``prompts`` (a JSON list of B strings) and ``dtype`` (the images'
-own dtype, restored by the server). The images travel in bfloat16 when every value survives bfloat16 exactly (decoded
+own dtype, restored by the server); an edit run's request also holds ``sources`` (B, 3, h, w), each image's source
+image, in the same dtype (the server's reward compares them: ``RewardFn(images, prompts, sources)``). The images travel
+in bfloat16 when every value survives bfloat16 exactly (decoded
 images in a bf16 run always do), else in their own dtype: lossless either way, so a server scores exactly the tensor
 a local reward would. The reply is JSON ``{"scores": {"total": [B floats], "<component>": [B floats], ...},
 "batch": {"id", "images", "requests"}}``; JSON carries float32 values exactly. Remote scores therefore equal the local
@@ -61,20 +63,25 @@ def wire_dtype(images: torch.Tensor) -> torch.dtype:
     return to_wire(images).dtype
 
 
-def encode_request(images: torch.Tensor, prompts: Sequence[str]) -> bytes:
+def encode_request(images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None) -> bytes:
     """The body of a /score request: safetensors bytes of ``images`` (B,3,H,W) (lossless, see ``to_wire``) with
-    the prompts and the images' dtype in its metadata."""
+    the prompts and the images' dtype in its metadata; an edit's ``sources`` (B,3,h,w) travel beside them, cast to
+    the images' dtype."""
     name = next((k for k, v in WIRE_DTYPES.items() if v == images.dtype), None)
     if name is None:
         raise ValueError(f"remote rewards take float images in [0, 1], got dtype {images.dtype}")
-    return save({"images": to_wire(images)}, metadata={"prompts": json.dumps(list(prompts)), "dtype": name})
+    tensors = {"images": to_wire(images)}
+    if sources is not None:
+        tensors["sources"] = to_wire(sources.to(images.dtype))
+    return save(tensors, metadata={"prompts": json.dumps(list(prompts)), "dtype": name})
 
 
 def decode_request(body: bytes, max_image_side: int = 0, widest: torch.dtype | None = None
-                   ) -> tuple[torch.Tensor, list[str]]:
-    """``(images in their original dtype, prompts)`` of a /score body; ValueError saying what is wrong with it
-    (not safetensors, no ``images`` (B,3,H,W) float tensor, prompts missing or not one per image, an image side over
-    ``max_image_side`` when > 0). ``widest``: restore no wider than this dtype (the server: float32)."""
+                   ) -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
+    """``(images in their original dtype, prompts, sources or None)`` of a /score body; ValueError saying what is wrong
+    with it (not safetensors, no ``images`` (B,3,H,W) float tensor, ``sources`` not one (3,h,w) per image, prompts
+    missing or not one per image, an image side over ``max_image_side`` when > 0). ``widest``: restore no wider than
+    this dtype (the server: float32)."""
     fix = "send what fastvideo.rewards.remote.encode_request writes"
     if len(body) < 8:
         raise ValueError(f"the body ({len(body)} bytes) is not a safetensors file; {fix}")
@@ -87,16 +94,22 @@ def decode_request(body: bytes, max_image_side: int = 0, widest: torch.dtype | N
     except Exception as err:  # json.JSONDecodeError, safetensors' own error: both mean a malformed body
         raise ValueError(f"the body ({len(body)} bytes) is not a safetensors file ({err}); {fix}") from None
     meta = header.get("__metadata__") or {}
-    if set(tensors) != {"images"}:
-        raise ValueError(f"the body holds tensors {sorted(tensors)}; it must hold exactly one, 'images'; {fix}")
-    images = tensors["images"]
-    if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] < 1 or 0 in images.shape:
-        raise ValueError(f"'images' must have shape (B, 3, H, W) with B >= 1, got {tuple(images.shape)}")
-    if images.dtype not in WIRE_DTYPES.values():
-        raise ValueError(f"'images' must be a float tensor ({', '.join(WIRE_DTYPES)}), got {images.dtype}")
-    if max_image_side and max(images.shape[2:]) > max_image_side:
-        raise ValueError(f"images of {images.shape[2]}x{images.shape[3]} exceed this server's --max_image_side "
-                         f"{max_image_side}; resize them or restart the server with a larger --max_image_side")
+    if set(tensors) not in ({"images"}, {"images", "sources"}):
+        raise ValueError(f"the body holds tensors {sorted(tensors)}; it must hold 'images' (and an edit's 'sources') "
+                         f"only; {fix}")
+    images, sources = tensors["images"], tensors.get("sources")
+    for key, value in (("images", images), ("sources", sources)):
+        if value is None:
+            continue
+        if value.ndim != 4 or value.shape[1] != 3 or value.shape[0] < 1 or 0 in value.shape:
+            raise ValueError(f"'{key}' must have shape (B, 3, H, W) with B >= 1, got {tuple(value.shape)}")
+        if value.dtype not in WIRE_DTYPES.values():
+            raise ValueError(f"'{key}' must be a float tensor ({', '.join(WIRE_DTYPES)}), got {value.dtype}")
+        if max_image_side and max(value.shape[2:]) > max_image_side:
+            raise ValueError(f"{key} of {value.shape[2]}x{value.shape[3]} exceed this server's --max_image_side "
+                             f"{max_image_side}; resize them or restart the server with a larger --max_image_side")
+    if sources is not None and sources.shape[0] != images.shape[0]:
+        raise ValueError(f"got {images.shape[0]} images but {sources.shape[0]} sources; send one source per image")
     try:
         prompts = json.loads(meta["prompts"])
     except (KeyError, ValueError):
@@ -112,7 +125,7 @@ def decode_request(body: bytes, max_image_side: int = 0, widest: torch.dtype | N
     restored = WIRE_DTYPES[dtype]
     if widest is not None and restored.itemsize > widest.itemsize:
         restored = widest
-    return images.to(restored), prompts
+    return images.to(restored), prompts, None if sources is None else sources.to(restored)
 
 
 def read_scores(reply: Any, url: str, count: int) -> dict[str, torch.Tensor]:
@@ -162,7 +175,10 @@ def check_server(url: str, token: str | None, timeout_s: float, retries: int) ->
 
 
 class RemoteScorer:
-    """``(images (B,3,H,W), prompts) -> {"score": the server's total, <component>: ...}`` scored by reward servers."""
+    """``(images (B,3,H,W), prompts) -> {"score": the server's total, <component>: ...}`` scored by reward servers;
+    an edit run's ``sources`` travel with their images (``takes_sources``)."""
+
+    takes_sources = True
 
     def __init__(self, urls: list[str], *, batch_size: int = 0, max_concurrency: int = 4, timeout_s: float = 120.0,
                  retries: int = 2, token: str | None = None, max_request_bytes: int = 0,
@@ -178,14 +194,14 @@ class RemoteScorer:
     def __repr__(self) -> str:
         return f"RemoteScorer({'|'.join(self.urls)!r})"
 
-    def requests_for(self, images: torch.Tensor) -> int:
+    def requests_for(self, images: torch.Tensor, sources: torch.Tensor | None = None) -> int:
         """Images per request: --remote_batch_size (0 = all), lowered to fit the server's --max_request_mb and
         --max_images_per_request."""
         per_request = self.batch_size or images.shape[0]
         if self.max_images:
             per_request = min(per_request, self.max_images)
         if self.max_request_bytes:
-            per_image = images[0].numel() * images.element_size()
+            per_image = (images[0].numel() + (0 if sources is None else sources[0].numel())) * images.element_size()
             fits = (self.max_request_bytes - _HEADER_SLACK) // per_image
             if fits < 1:
                 raise ValueError(f"reward server {self.urls[0]}: one {images.shape[2]}x{images.shape[3]} image "
@@ -195,17 +211,20 @@ class RemoteScorer:
             per_request = min(per_request, fits)
         return per_request
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Score a batch: one request per --remote_batch_size images, concurrently, results in order."""
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """Score a batch: one request per --remote_batch_size images (each with its sources), concurrently, results
+        in order."""
         if self.max_image_side and max(images.shape[2:]) > self.max_image_side:
             raise ValueError(f"reward server {self.urls[0]} takes images up to {self.max_image_side} px a side "
                              f"(its --max_image_side), got {images.shape[2]}x{images.shape[3]}; restart it with a "
                              "larger --max_image_side")
         prompts = list(prompts)
-        step = self.requests_for(images)
+        step = self.requests_for(images, sources)
         starts = range(0, images.shape[0], step)
         first = next(self._next)
-        jobs = [(images[s:s + step], prompts[s:s + step], (first + i) % len(self.urls)) for i, s in enumerate(starts)]
+        jobs = [(images[s:s + step], prompts[s:s + step], (first + i) % len(self.urls),
+                 None if sources is None else sources[s:s + step]) for i, s in enumerate(starts)]
         if len(jobs) == 1:
             replies = [self._score(*jobs[0])]
         else:
@@ -234,9 +253,10 @@ class RemoteScorer:
                 self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-reward")
             return self._pool
 
-    def _score(self, images: torch.Tensor, prompts: list[str], replica: int) -> tuple[dict[str, torch.Tensor], dict]:
+    def _score(self, images: torch.Tensor, prompts: list[str], replica: int, sources: torch.Tensor | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict]:
         """One request, to replica ``replica`` first and, when it gives no reply, to each other replica in turn."""
-        reply, url = request_replicas(self.urls, replica, "/score", body=encode_request(images, prompts),
+        reply, url = request_replicas(self.urls, replica, "/score", body=encode_request(images, prompts, sources),
                                       content_type="application/octet-stream", token=self.token,
                                       timeout_s=self.timeout_s, retries=self.retries)
         batch = reply.get("batch") if isinstance(reply, dict) else None

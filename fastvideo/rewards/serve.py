@@ -76,17 +76,17 @@ def log_line(client: str, status: int, reason: str) -> None:
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {client} {status} {reason}", file=sys.stderr, flush=True)
 
 
-def check_pixels(images: torch.Tensor, max_prompt_chars: int, prompts: list[str]) -> None:
-    """ValueError naming the first image with a non-finite pixel or one outside [0, 1] (beyond PIXEL_TOLERANCE), or
-    the first prompt over ``max_prompt_chars``."""
+def check_pixels(images: torch.Tensor, max_prompt_chars: int, prompts: list[str], what: str = "image") -> None:
+    """ValueError naming the first image (``what``: or source) with a non-finite pixel or one outside [0, 1] (beyond
+    PIXEL_TOLERANCE), or the first prompt over ``max_prompt_chars``."""
     flat = images.flatten(1)
     bad = (~torch.isfinite(flat)).any(1).nonzero()
     if len(bad):
-        raise ValueError(f"image {int(bad[0])} has NaN or infinite pixels; send finite images in [0, 1]")
+        raise ValueError(f"{what} {int(bad[0])} has NaN or infinite pixels; send finite images in [0, 1]")
     outside = ((flat < -PIXEL_TOLERANCE) | (flat > 1 + PIXEL_TOLERANCE)).any(1).nonzero()
     if len(outside):
         i = int(outside[0])
-        raise ValueError(f"image {i} has pixels outside [0, 1] (min {float(flat[i].min()):g}, max "
+        raise ValueError(f"{what} {i} has pixels outside [0, 1] (min {float(flat[i].min()):g}, max "
                          f"{float(flat[i].max()):g}); send images in [0, 1] (clamp them)")
     long = next((i for i, p in enumerate(prompts) if len(p) > max_prompt_chars), None)
     if long is not None:
@@ -119,18 +119,20 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
     limits = {**LIMIT_DEFAULTS, **limits}
     max_bytes = int(limits["max_request_mb"] * 2**20)
 
-    def read(body: list[bytes]) -> tuple[torch.Tensor, list[str]]:
-        """The request's images and prompts (ValueError saying what is wrong), off the event loop: 24 MiB take
-        ~40 ms to join and decode. Images never widen past float32 (a float64 'dtype' in the metadata would
-        double the server's memory for the same scores)."""
-        images, prompts = decode_request(b"".join(body), limits["max_image_side"], widest=torch.float32)
+    def read(body: list[bytes]) -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
+        """The request's images, prompts and an edit's sources (ValueError saying what is wrong), off the event loop:
+        24 MiB take ~40 ms to join and decode. Images never widen past float32 (a float64 'dtype' in the metadata
+        would double the server's memory for the same scores)."""
+        images, prompts, sources = decode_request(b"".join(body), limits["max_image_side"], widest=torch.float32)
         if images.shape[0] > limits["max_images_per_request"]:
             raise OverflowError(f"{images.shape[0]} images in one request, over this server's "
                                 f"--max_images_per_request {limits['max_images_per_request']}; send at most that "
                                 "many per request (--remote_batch_size)")
         check_pixels(images, limits["max_prompt_chars"], prompts)
+        if sources is not None:
+            check_pixels(sources, limits["max_prompt_chars"], prompts, what="source")
         check_reward_prompts(spec, prompts, "the request's prompts")
-        return images, prompts
+        return images, prompts, sources
 
     batcher = (Batcher(reward_fn, limits["max_batch_size"], limits["max_wait_ms"] / 1000, limits["max_queue"],
                        limits["reward_delay_ms"] / 1000) if spec is not None else None)
@@ -217,7 +219,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         if limits["delay_ms"]:
             await asyncio.sleep(limits["delay_ms"] / 1000)
         try:
-            images, prompts = await asyncio.to_thread(read, chunks)
+            images, prompts, sources = await asyncio.to_thread(read, chunks)
         except OverflowError as err:
             raise HTTPException(413, str(err)) from None
         except ValueError as err:
@@ -228,7 +230,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
             log_line(client_of(request), 499, "POST /score: the client disconnected; dropped unscored")
             return Response(status_code=499)
         try:
-            pending = batcher.admit(images, prompts)
+            pending = batcher.admit(images, prompts, sources)
         except Busy as err:
             raise HTTPException(429, str(err), headers={"Retry-After": str(err.retry_after_s)}) from None
         try:

@@ -12,6 +12,9 @@ One request per image, up to ``--judge_max_concurrency`` in flight: one user mes
 uint8 image, what the VLM's processor reads anyway, as a ``data:image/png;base64`` ``image_url`` part) and then the
 text of the template with ``{prompt}`` replaced by the image's prompt (and ``{max_score}`` by ``--judge_max_score``);
 ``temperature`` 0 (greedy: the same image and prompt get the same score), a few ``max_tokens`` (``MAX_TOKENS``).
+On an edit run (``docs/editing.md``) the message holds two images, the source and then the edit, and the question is
+``EDIT_TEMPLATES``' (was the instruction ``{prompt}`` carried out, the rest unchanged?), or --judge_template's; OCR
+reads the edit alone.
 
 Score modes (``--judge_score``; each has a built-in template, ``TEMPLATES``, or pass ``--judge_template FILE``):
   yes_no  P(yes) / (P(yes) + P(no)) of the first generated token, each summed over the spellings among its
@@ -63,6 +66,14 @@ VIDEO_TEMPLATES = {
               "no.",
     "number": 'These are {frames} frames of a video, in order. How well does this video match the description '
               '"{prompt}"? Rate it from 0 (not at all) to {max_score} (perfectly). Answer with the number only.',
+}
+# An edit: the source image, then the edited one, then this text ({prompt}: the edit instruction).
+EDIT_TEMPLATES = {
+    "yes_no": 'The first image is the original; the second is the original edited with the instruction "{prompt}". '
+              "Was the instruction carried out, with everything else left unchanged? Please answer yes or no.",
+    "number": 'The first image is the original; the second is the original edited with the instruction "{prompt}". '
+              "How well was the instruction carried out, with everything else left unchanged? Rate it from 0 (not "
+              "at all) to {max_score} (perfectly). Answer with the number only.",
 }
 VIDEO_FRAMES = 8  # frames per video request when --reward_frames is 0 (servers cap images per request: vLLM's
 # --limit-mm-per-prompt, fastvideo.rewards.chat_server's MAX_IMAGES 8)
@@ -230,6 +241,7 @@ class VLMJudge:
     token: str | None = None
     first_replica: int = 0  # where this process's round-robin over the replicas starts (its rank)
     video_template: str | None = None  # a video's question (VIDEO_TEMPLATES, or --judge_template's); None: frames
+    edit_template: str | None = None  # an edit's question (EDIT_TEMPLATES, or --judge_template's); None: the edit alone
     _next: Any = field(default=None, init=False, repr=False)  # the round-robin position, across calls
     _warned: bool = field(default=False, init=False, repr=False)  # the text fallback was announced
 
@@ -237,6 +249,7 @@ class VLMJudge:
         self._next = itertools.count(self.first_replica)
 
     video_frames = VIDEO_FRAMES  # frames per video request when --reward_frames is 0
+    takes_sources = True  # an edit run's sources: shown to the judge before the edit (``edit_template``)
 
     @property
     def scores_videos(self) -> bool:
@@ -244,11 +257,13 @@ class VLMJudge:
         frame (``RewardFn.score_video`` reads this)."""
         return self.video_template is not None
 
-    def body(self, image_uri: str | list[str], prompt: str) -> dict:
-        """The chat-completions request for one image (or a video's frames, in order) and its prompt."""
+    def body(self, image_uri: str | list[str], prompt: str, edit: bool = False) -> dict:
+        """The chat-completions request for one image (or a video's frames, in order; ``edit``: the source and the
+        edit) and its prompt."""
         uris = [image_uri] if isinstance(image_uri, str) else list(image_uri)
-        text = render(self.template, prompt, self.max_score) if isinstance(image_uri, str) else \
-            render(self.video_template, prompt, self.max_score, frames=len(uris))
+        text = (render(self.template, prompt, self.max_score) if isinstance(image_uri, str) else
+                render(self.edit_template, prompt, self.max_score) if edit else
+                render(self.video_template, prompt, self.max_score, frames=len(uris)))
         content = [*({"type": "image_url", "image_url": {"url": uri}} for uri in uris), {"type": "text", "text": text}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0.0,
                 "max_tokens": MAX_TOKENS[self.mode], "n": 1}
@@ -256,12 +271,15 @@ class VLMJudge:
             body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         return body
 
-    def ask(self, image: torch.Tensor, prompt: str, replica: int = 0) -> tuple[str, list | None]:
+    def ask(self, image: torch.Tensor, prompt: str, replica: int = 0, source: torch.Tensor | None = None
+            ) -> tuple[str, list | None]:
         """One request, to replica ``replica`` first and to the next ones when it gets no reply: the judge's reply
         text and its first token's top_logprobs (None when not given). ``image``: (H, W, 3) uint8, or a video's
-        frames (N, H, W, 3)."""
+        frames (N, H, W, 3); ``source``: an edit's source (h, w, 3) uint8, shown first."""
         uri = png_data_uri(image) if image.ndim == 3 else [png_data_uri(frame) for frame in image]
-        body = json.dumps(self.body(uri, prompt)).encode("utf-8")
+        if source is not None:
+            uri = [png_data_uri(source), uri]
+        body = json.dumps(self.body(uri, prompt, edit=source is not None)).encode("utf-8")
         reply, url = http.request_replicas(self.urls, replica, body=body, token=self.token, timeout_s=self.timeout_s,
                                            retries=self.retries, what="VLM judge")
         return read_reply(reply, url)
@@ -282,11 +300,16 @@ class VLMJudge:
                   "vlm_judge_logprob_used = 0). vLLM and SGLang return logprobs when asked.", flush=True)
         return yes_no_from_text(reply), False
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
         """Score a batch (B, 3, H, W) in [0, 1]: one request per image, ``concurrency`` in flight, spread
-        round-robin over the replicas."""
+        round-robin over the replicas; with an edit's ``sources`` (B, 3, h, w) and an ``edit_template``, each request
+        shows the source and then the edit."""
         pixels = to_grey_levels(images.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()  # (B, H, W, 3)
-        return self._score(pixels, list(prompts))
+        if sources is None or self.edit_template is None:
+            return self._score(pixels, list(prompts))
+        before = to_grey_levels(sources.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+        return self._score(pixels, list(prompts), list(before))
 
     def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Score videos (B, N, 3, H, W) in [0, 1]: one request per video with its N frames in order and the video
@@ -296,12 +319,13 @@ class VLMJudge:
         pixels = to_grey_levels(videos.detach().flatten(0, 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
         return self._score(pixels.view(*videos.shape[:2], *pixels.shape[1:]), list(prompts))
 
-    def _score(self, pixels: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def _score(self, pixels: torch.Tensor, prompts: list[str], sources: list[torch.Tensor] | None = None
+               ) -> dict[str, torch.Tensor]:
         check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
         replicas = [next(self._next) % len(self.urls) for _ in prompts]
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts))),
                                 thread_name_prefix="vlm-judge") as pool:
-            replies = list(pool.map(self.ask, pixels, prompts, replicas))
+            replies = list(pool.map(self.ask, pixels, prompts, replicas, sources or [None] * len(prompts)))
         scored = [self.score(reply, top, prompt) for (reply, top), prompt in zip(replies, prompts)]
         out = {"score": torch.tensor([s for s, _ in scored], dtype=torch.float32)}
         if self.mode == "yes_no":
@@ -344,6 +368,8 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
     template = load_template(judge_template, judge_score)
     # a video's question: the built-in one, or --judge_template's own text (it may say {frames}); OCR reads frames
     video_template = None if judge_score == "ocr" else (template if judge_template else VIDEO_TEMPLATES[judge_score])
+    # an edit's question (the source, then the edit): built in, or --judge_template's text; OCR reads the edit alone
+    edit_template = None if judge_score == "ocr" else (template if judge_template else EDIT_TEMPLATES[judge_score])
     token = http.token_from_env()
     served = {base: served_models(base, token, reward_timeout_s, reward_retries) for base in bases}
     model = judge_model or served[bases[0]][0]
@@ -358,7 +384,7 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
                     mode=judge_score, max_score=float(judge_max_score), concurrency=int(judge_max_concurrency),
                     timeout_s=float(reward_timeout_s), retries=int(reward_retries), token=token,
                     first_replica=launch_env()[0],  # rank r starts at replica r: the ranks' requests spread
-                    video_template=video_template)
+                    video_template=video_template, edit_template=edit_template)
 
 
 __all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "api_base", "build",
