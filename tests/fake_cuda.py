@@ -84,6 +84,8 @@ ALLOWED_SYNCS: dict[str, str] = {
         "--reward_overlap once per rollout micro-batch, on the scorer's thread and stream, not the sampling loop's",
     "fastvideo/rewards/__init__.py:RewardFn.score_video":
         "once per video reward call: the frame-change watch comes to the CPU beside the scores (logged, not trained)",
+    "fastvideo/rewards/__init__.py:source_distance":
+        "once per edit reward call: the source-distance watch comes to the CPU beside the scores (logged, not trained)",
     "fastvideo/toyworld/verify.py:_as_batch":
         "once per reward call: the toy-world verifier analyses the pixels on the CPU (numpy)",
     "fastvideo/distributed.py:all_gather_tensor":
@@ -894,15 +896,22 @@ class Shared:
     variant_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)  # variant -> its own flags (CFG on/off)
 
 
-def embedding_rows(model_dir: Path, max_sequence_length: int = 32) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``key -> (row shape, dtype)`` of the family's stored embeddings, from a real encode of one prompt with the
-    folder's text encoders (before the fake mode: the trace then makes random rows of these shapes)."""
+def embedding_rows(model_dir: Path, max_sequence_length: int = 32, size: int = 64
+                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``key -> (row shape, dtype)`` of the family's stored embeddings, from a real encode of one prompt (an edit
+    family: one ``size`` x ``size`` source and its instruction, the source latents too) with the folder's text
+    encoders (before the fake mode: the trace then makes random rows of these shapes)."""
     from fastvideo import models
 
     family = models.resolve("auto", model_dir)
     encoders = family.load_text_encoders(model_dir)
     with torch.no_grad():
-        cond, _ = family.encode_prompts(encoders, ["a red cube on a table"], max_sequence_length)
+        if family.edit:
+            source = torch.rand(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+            cond, _ = family.encode_edits(encoders, family.load_vae(model_dir), source, ["make the cube blue"],
+                                          max_sequence_length)
+        else:
+            cond, _ = family.encode_prompts(encoders, ["a red cube on a table"], max_sequence_length)
     cond = family.collate(cond)
     return {k: (tuple(v.shape[1:]), v.dtype) for k, v in cond.items()}
 
@@ -947,6 +956,7 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
     """The trainer's ``Run`` as ``start_run`` + ``load_models`` leave it (flags validated for the data-parallel size,
     device defaults resolved, policy built by ``build_policy``, optimizer, LR schedule, VAE), with ``backward``
     replaced by ``_fake_backward`` (``helpers.build_run``, the builder the CPU tests share)."""
+    from fastvideo import models
     from fastvideo.rollout import RolloutConfig
 
     args = objective.parse(_flags(shared, objective, variant, extra))
@@ -958,7 +968,19 @@ def _run(shared: Shared, objective: Objective, variant: str, extra: tuple[str, .
 
         run.scorer = OverlapScorer(run.reward_fn, run.device)
     run.backward = _fake_backward(run)
+    if models.family_for(args).edit:  # an edit store's sources (CPU images, as EmbeddingDataset.source_images reads them)
+        run.dataset = _EditSources(shared.size)
     return run
+
+
+class _EditSources:
+    """The edit store's ``source_images`` for the trace: a random CPU source per prompt id (the rewards compare)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def source_images(self, prompt_ids: Any) -> torch.Tensor:
+        return torch.rand(len(prompt_ids), 3, self.size, self.size, generator=torch.Generator().manual_seed(0))
 
 
 def _padded_mask(b: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -974,7 +996,7 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     """The step's samples and batch (random embeddings of the family's row shapes, ``negative_<key>`` rows too with
     --cfg_scale > 1, moved as ``batch_to`` moves them), and the rollout with the sampling policy (the old policy for
     NFT), as the trainers call it."""
-    from fastvideo import rollout, training
+    from fastvideo import models, rollout, training
     from fastvideo.prompt_groups import GroupSampler
 
     args, dist = run.args, run.dist
@@ -985,8 +1007,11 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
         b = len(samples.prompt_ids)
         batch = {"prompt_ids": torch.tensor(samples.prompt_ids), "prompts": [shared.prompts[i] for i in
                                                                               samples.prompt_ids]}
+        condition = set(models.family_of(run.policy.model).condition_keys)  # an edit's source rows: no negative
         for prefix in ("", "negative_") if args.cfg_scale > 1 else ("",):
             for key, (shape, dtype) in shared.embedding_rows.items():
+                if prefix and key in condition:
+                    continue
                 batch[prefix + key] = (torch.randn(b, *shape, generator=g) if dtype.is_floating_point
                                        else _padded_mask(b, shape, dtype) if key.endswith("_mask")
                                        else torch.ones(b, *shape, dtype=dtype))
@@ -994,7 +1019,7 @@ def _sample(rec: Recorder, shared: Shared, run: Any, objective: Objective) -> Tr
     policy = run.policy
     sampler = policy.old.active() if objective.old_policy_samples else contextlib.nullcontext(policy.model)
     policy.model.eval()
-    pending = run.pending_rewards(batch["prompts"])  # --reward_overlap: scored on the scorer's thread as decoded
+    pending = run.pending_rewards(batch["prompts"], batch["prompt_ids"])  # --reward_overlap: scored as decoded
     with sampler as model:
         traj = rollout.rollout(model, run.vae, batch, samples.sample_indices, STEP, run.rollout_cfg,
                                run.noise, run.geometry, device=run.device, autocast_dtype=run.amp_dtype,
@@ -1139,7 +1164,7 @@ def run_hot_paths(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_d
     --reward_overlap path (family-free: another family's trace needs it no more than the SP path)."""
     report, t0 = Report(), time.perf_counter()
     work_dir.mkdir(parents=True, exist_ok=True)
-    rows = embedding_rows(model_dir)
+    rows = embedding_rows(model_dir, size=size)
     with pretend_cuda(world_size) as rec, patched(_numpy_stub(rec)):
         report.loops = {loop.name: loop.budget for loop in rec.loops}
         report.world["trace"] = _world()

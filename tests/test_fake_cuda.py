@@ -41,10 +41,11 @@ def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> 
 # updates); these trace each family's own velocity call, encoders' row shapes and VAE in GRPO's rollout and replay,
 # DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
 # 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,
-# rewarded over frames, and adds its SP 2 path. Sequence parallelism is FLUX.1's and Wan's (the other families refuse
+# rewarded over frames, and adds its SP 2 path; FLUX.1-Kontext edits (its source tokens in every forward, the CFG
+# halves sharing them, the sources handed to the reward). Sequence parallelism is FLUX.1's and Wan's (the other families refuse
 # --sp_size > 1 before loading: test_sequence_parallel.py).
 FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny", "wan22-ti2v-tiny",
-                  "wan22-a14b-tiny")
+                  "wan22-a14b-tiny", "flux-kontext-tiny")
 # a family's own trace flags: Wan's 5-frame videos (rewarded over frames) and its SP 2 path over the video tokens
 # (Wan2.2-TI2V's: its per-token timesteps split with the tokens)
 FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2")
@@ -176,6 +177,10 @@ def test_family_trace_covers_every_objective(family_report: dict) -> None:
     assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}
     assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops
+    if family_report["preset"] == "flux-kontext-tiny":  # each rank's edit sources reached the reward on the device
+        watch = "fastvideo/rewards/__init__.py:source_distance"
+        scored = {f["path"].split("/")[0] for f in family_report["findings"] if f["site_key"] == watch}
+        assert scored == {"grpo", "dpo", "nft"}, scored
     if "--sp_size" in FAMILY_EXTRA.get(family_report["preset"], ()):  # Wan: its SP 2 forward over the video tokens
         assert {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"} <= set(family_report["paths"])
         assert [a for a in family_report["attention"] if a["path"].startswith("sp2/")], "no attention under SP 2"
