@@ -20,6 +20,7 @@ import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -95,7 +96,9 @@ class MemoryPlan:
         lines = [f"memory plan per rank ({f['device_type']}, world size {f['world_size']}, shard group "
                  f"{f['shard_size']}, {f['mode']}, compute {f['compute_dtype']}): transformer "
                  f"{f['params'] / 1e9:.3f}B params, {f['trainable'] / 1e9:.4f}B trainable; micro-batch "
-                 f"{f['train_batch_size']} x ({f['image_tokens']} image + {f['text_tokens']} text tokens)"
+                 f"{f['train_batch_size']} x ({f['image_tokens']} image"
+                 + (f" ({f['condition_tokens']} of them the source's)" if f.get("condition_tokens") else "")
+                 + f" + {f['text_tokens']} text tokens)"
                  + (f"; --sp_size {f['sp_size']}: {f['image_tokens'] // f['sp_size']} + "
                     f"{-(-f['text_tokens'] // f['sp_size'])} tokens per rank" if f.get("sp_size", 1) > 1 else ""),
                  f"  {'item':<56}{'phase':<12}{'device GiB':>11}{'host GiB':>10}  note"]
@@ -489,14 +492,15 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(args.gradient_sync, is_lora)
     geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w,
-                                   getattr(args, "num_frames", None))
+                                   getattr(args, "num_frames", None), condition=_condition_size(args, family))
     L, T, B, C = geometry.seq_len, _text_tokens(args, family), samples, geometry.packed_channels
+    Lc = getattr(geometry, "condition_tokens", 0)  # an edit's source tokens: they join every forward's sequence
     S = args.sampling_steps
     joint = getattr(model.config, "joint_attention_dim", None) or model.config.text_dim  # Wan: text_dim
     pooled = getattr(model.config, "pooled_projection_dim", None) or 0
     guided = 2 if args.cfg_scale > 1 else 1  # true CFG: one forward of cond + uncond rows
     sp = args.sp_size
-    Ls, Ts = L // sp, -(-T // sp)  # tokens per rank in the transformer: Ulysses splits both sequences (text padded)
+    Ls, Ts = (L + Lc) // sp, -(-T // sp)  # tokens per rank in the transformer: Ulysses splits both (text padded)
     items: list[PlanItem] = []
 
     def state(name: str, nbytes: float, note: str) -> None:
@@ -589,6 +593,10 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
     items.append(PlanItem("text embeddings of this rank's samples (fp32)" + (" + negative rows" if guided > 1 else ""),
                           4 * guided * B * (T * joint + pooled), 0.0, "persistent"))
+    if Lc:  # an edit: each sample's packed source latents (both CFG halves share them), its source image on the host
+        items.append(PlanItem("source latents of this rank's samples (fp32)", 4 * B * Lc * C,
+                              4 * B * 3 * geometry.condition.height * geometry.condition.width, "persistent",
+                              f"B x Lc x C, Lc={Lc}; host: the source images the reward compares"))
     vae_config = _vae_config(args.pretrained_model_name_or_path, models.spec_of(args))
     with torch.device("meta"):
         vae_params = _param_count(family.vae_class().from_config(
@@ -616,9 +624,24 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     errors, warnings_ = memory_flag_problems(world, device_type, args.use_cpu_offload, amp is not None)
     facts = dict(device_type=device_type, world_size=world, shard_size=shard, params=n_all, trainable=n_train,
                  mode=f"LoRA rank {args.lora_rank}" if is_lora else "full fine-tune", compute_dtype=str(cdt)[6:],
-                 train_batch_size=micro, image_tokens=L, text_tokens=T, gradient_sync=sync, sp_size=sp,
+                 train_batch_size=micro, image_tokens=L + Lc, condition_tokens=Lc, text_tokens=T,
+                 gradient_sync=sync, sp_size=sp,
                  gradient_checkpointing=used, cpu_offload=offload, rollout_batch_size=rb, decode_batch_size=db)
     return MemoryPlan(items, facts, errors + warnings_)
+
+
+def _condition_size(args: Any, family: Any) -> tuple[int, int] | None:
+    """An edit run's source size (height, width), from --data_json_path's manifest when it is there (None: the planner
+    assumes sources of the target's size)."""
+    if not family.edit or not getattr(args, "data_json_path", None):
+        return None
+    path = Path(args.data_json_path)
+    manifest = path / "manifest.json" if path.is_dir() else path
+    try:
+        edit = json.loads(manifest.read_text()).get("edit") if manifest.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (int(edit["height"]), int(edit["width"])) if isinstance(edit, dict) else None
 
 
 @dataclass

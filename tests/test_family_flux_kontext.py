@@ -179,3 +179,54 @@ def test_lora_export_loads_in_the_stock_pipeline_and_changes_the_edit(folder, pa
         ours = family.predict_velocity(model, latents, torch.tensor(0.7), rows, shared)
         stock = family.predict_velocity(pipeline.transformer, latents, torch.tensor(0.7), rows, shared)
     assert torch.allclose(stock, ours, atol=1e-5)  # the export restores the trained adapter in the edit pipeline
+
+
+def test_flops_count_the_source_tokens(parts, family, sources):
+    """One velocity call's FLOPs (torch's counter) = the FLUX.1 formula at L + Ls image tokens: the FLOP meter's
+    ``forward_tokens`` sees the joined sequence."""
+    from fastvideo import flops
+
+    geometry, model = parts["geometry"], parts["transformer"]
+    rows, _ = family.encode_edits(parts["enc"], parts["vae"], _tensor(sources), PROMPTS, T5_TOKENS)
+    shared = family.conditioning(geometry, rows, 3.5, torch.device("cpu"))
+    x = torch.zeros(2, *geometry.packed_shape)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: seen.append(family.forward_tokens(a, k)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            counted = flops.counted_flops(lambda: family.predict_velocity(model, x, torch.tensor(0.5), rows, shared))
+    finally:
+        hook.remove()
+    tokens = geometry.seq_len + geometry.condition_tokens
+    assert seen == [(2, tokens, T5_TOKENS)]
+    assert counted == family.transformer_flops(model.config, tokens, T5_TOKENS, 2)
+    assert counted > family.transformer_flops(model.config, geometry.seq_len, T5_TOKENS, 2)
+
+
+def test_dry_run_plans_the_source_tokens(tmp_path):
+    """--dry_run on FLUX.1-Kontext-dev's real configs reads the edit store's source size: the transformer's sequence
+    is the target's and the source's tokens, and the source latents are planned beside the rollout buffers."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    model = flux_kontext.write_config(tmp_path / "kontext")
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(json.dumps({
+        "format_version": 2, "max_sequence_length": 512, "dtype": "bf16", "num_prompts": 0, "prompts": [],
+        "embedding_keys": list(flux_kontext.FluxKontext.embedding_keys), "condition_keys": ["image_latents"],
+        "edit": {"height": 512, "width": 768}, "negative": None, "shards": []}))
+    proc = subprocess.run([sys.executable, "train_grpo_flux.py", "--pretrained_model_name_or_path", str(model),
+                           "--data_json_path", str(store), "--output_dir", str(tmp_path / "out"), "--device", "cuda",
+                           "--dry_run", "--dry_run_world_size", "8", "--h", "512", "--w", "512", "--mixed_precision",
+                           "bf16", "--sampling_steps", "6", "--num_generations", "8", "--prompts_per_step", "16",
+                           "--train_batch_size", "2", "--rollout_batch_size", "4", "--reward",
+                           "jpeg_compressibility:1.0", "--lora_rank", "32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    target, source = (512 // 16) ** 2, (512 // 16) * (768 // 16)
+    assert f"micro-batch 2 x ({target + source} image ({source} of them the source's) + 512 text tokens)" in proc.stdout
+    assert f"B x Lc x C, Lc={source}" in proc.stdout, proc.stdout[-3000:]
