@@ -51,12 +51,15 @@ def prompt_manifest(prompts: str | os.PathLike, model_path: str | os.PathLike, w
                     negative_prompt: str | None = None) -> Path:
     """``prompts`` as an embedding manifest: a manifest (or its folder) is used as it is; a prompt file is encoded
     into ``work_dir`` with ``model_path``'s text encoders (loaded, then freed, before any other model; a restart keeps
-    the finished shards; ``negative_prompt``: also encode it, for --cfg_scale > 1). A collective: every rank calls
-    it."""
+    the finished shards; ``negative_prompt``: also encode it, for --cfg_scale > 1); for an edit model the file is an
+    edit file (``preprocess_embeddings.py --edit_file``'s JSON Lines, the VAE loaded too). A collective: every rank
+    calls it."""
     if is_manifest(prompts):
         return Path(prompts)
-    writer = open_prompt_store(prompts, model_path, work_dir, max_sequence_length=max_sequence_length, dtype=dtype,
-                               model_family=model_family, negative_prompt=negative_prompt)
+    edit = models.resolve(model_family, model_path).edit
+    writer = open_prompt_store(None if edit else prompts, model_path, work_dir,
+                               max_sequence_length=max_sequence_length, dtype=dtype, model_family=model_family,
+                               negative_prompt=negative_prompt, edit_file=prompts if edit else None)
     write_prompt_store(writer, device=device)
     return Path(work_dir) / MANIFEST_NAME
 

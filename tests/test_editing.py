@@ -175,7 +175,8 @@ def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kon
     """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward), --reward_overlap
     (the sources travel with each micro-batch): the first update's ratios are 1, the update reaches the adapter, the
     source distance is logged beside the reward, and the export changes the stock Kontext pipeline's edit; then
-    sample.py on the run's export writes each edit with its source and the distance."""
+    sample.py on the run's export and the edit file itself (encoded as an edit store) writes each edit with its source
+    and the distance."""
     out = tmp_path / "grpo"
     run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2",
                                                      "--timestep_fraction", "0.7", "--reward_overlap")])
@@ -187,13 +188,14 @@ def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kon
     base, tuned = _kontext_edit(kontext["model"], None, source), _kontext_edit(kontext["model"], out / "final", source)
     assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
     samples = tmp_path / "samples"
-    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(out), "--prompts", str(kontext["store"]),
+    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(out), "--prompts", str(kontext["pairs"]),
                            "--output_dir", str(samples), "--max_prompts", "2", "--num_images_per_prompt", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     index = [json.loads(line) for line in (samples / "index.jsonl").read_text().splitlines()]
     assert [Path(r["source"]).name for r in index] == ["00000000.png", "00000001.png"]
+    assert Path(index[0]["source"]).parent == samples / "embeddings" / "sources"  # the edit file, encoded here
     for r in index:  # the distance sample.py logged is the one between the PNGs it names
         edit = np.asarray(Image.open(samples / r["path"]), dtype=np.float64) / 255
         original = np.asarray(Image.open(r["source"]), dtype=np.float64) / 255
