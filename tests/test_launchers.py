@@ -350,28 +350,37 @@ def test_appended_flags_win_over_the_demo_and_bad_flags_stop_before_torchrun(tmp
     assert bad.stderr.strip().splitlines() == ["train_grpo_flux.py: error: --clip_range must be > 0, got 0.0"]
 
 
-@pytest.mark.slow(cover="test_launchers.py::test_launchers_rendezvous_flags", cost_s=100)
-def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path, demo_data_dir):
-    """Without MASTER_PORT a single-node launch rendezvouses on a free port (torchrun --standalone): two demo runs
-    started together on one machine both train (with the fixed port of before, the second died with EADDRINUSE)."""
-    # the tiny FLUX's JPEG demo (seconds a step): built once first (a dry run builds the demo data, not in parallel)
-    subprocess.run(["bash", "scripts/finetune_flux_nft.sh", "--dry_run"], cwd=REPO, check=True, capture_output=True,
-                   env=_demo_env(tmp_path, demo_data_dir, "warm", DEMO="jpeg"), timeout=600)
-    procs = []
-    for name in ("a", "b"):
-        # one thread each and the smallest step (2 samples, 2 sampling steps): the two runs share the 2 cores
-        env = _demo_env(tmp_path, demo_data_dir, name, DEMO="jpeg", OMP_NUM_THREADS="1")
-        env.pop("MASTER_PORT")
-        procs.append(subprocess.Popen(["bash", "scripts/finetune_flux_nft.sh", "--max_train_steps", "1",
-                                       "--sample_every", "0", "--sampling_steps", "2", "--num_generations", "2",
-                                       "--prompts_per_step", "1", "--rollout_batch_size", "2",
-                                       "--train_batch_size", "2"],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for name, proc in zip("ab", procs):
-        out, err = proc.communicate(timeout=600)
+RENDEZVOUS = """import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(1)
+dist.all_reduce(x)
+time.sleep(3)  # both jobs hold their rendezvous at once
+dist.barrier()
+open(os.environ["OUT"], "w").write(f"{int(x.item())} {os.environ['MASTER_PORT']}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow(cover="test_launchers.py::test_launchers_rendezvous_flags", cost_s=11)
+def test_two_single_node_launches_at_once_pick_their_own_ports(tmp_path):
+    """Without MASTER_PORT a single-node launch rendezvouses on a free port (torchrun --standalone): two jobs started
+    together on one machine with the launcher's own torchrun arguments (its rendezvous flags, 2 ranks each) both form
+    their process groups, on two different ports (with the fixed port of before, the second died with EADDRINUSE)."""
+    argv = launcher_argv(tmp_path, "scripts/finetune_flux_nft.sh", MASTER_PORT=None, NPROC_PER_NODE="2")
+    script = next(i for i, a in enumerate(argv) if a.endswith(".py"))  # torchrun's own arguments come before it
+    assert "--standalone" in argv[:script]
+    job = tmp_path / "rendezvous.py"
+    job.write_text(RENDEZVOUS)
+    procs = [subprocess.Popen([sys.executable, *argv[:script], str(job)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(tmp_path / f"{name}.txt")})
+             for name in ("a", "b")]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-2000:] + err[-3000:]
-        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        assert rows[-1]["step"] == 1
+    (world_a, port_a), (world_b, port_b) = ((tmp_path / f"{n}.txt").read_text().split() for n in "ab")
+    assert world_a == world_b == "2" and port_a != port_b
 
 
 def test_launchers_rendezvous_flags(tmp_path):
