@@ -49,13 +49,14 @@ HEADER_PLAN = re.compile(r"Memory \(--dry_run --dry_run_world_size 8[^)]*\): (\d
 PEAK_LINE = re.compile(r"peak per rank = persistent \+ \w+\s+(\d+(?:\.\d+)?)")
 # the real-config presets a recipe may plan on (fastvideo.tiny.build_preset) -> the transformer size its plan prints
 # (the model's parameters plus the LoRA adapters): FLUX.1-dev 11.9B, SD3.5-Medium 2.24B, Qwen-Image 20.4B,
-# FLUX.2-klein-4B 3.88B
+# FLUX.2-klein-4B 3.88B, FLUX.1-Kontext-dev 11.9B
 PRESET_PARAMS = {
     "flux-dev-config": r"1[12]\.\d+B",
     "sd3.5-medium-config": r"2\.\d+B",
     "qwen-image-config": r"20\.\d+B",
     "flux2-klein-4b-config": r"[34]\.\d+B",
     "wan2.1-t2v-14b-config": r"14\.\d+B",
+    "flux-kontext-dev-config": r"1[12]\.\d+B",
 }
 
 

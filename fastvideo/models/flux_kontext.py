@@ -42,7 +42,7 @@ class FluxKontext(flux.Flux1):
     edit = True
     defaults = SamplerDefaults(steps=28, guidance=3.5, height=1024, width=1024, max_sequence_length=flux.MAX_T5_TOKENS)
     sequence_parallel = False  # the source tokens join the split sequence: not implemented yet (docs/editing.md)
-    recipes: dict = {}
+    recipes = {"grpo": "scripts/recipes/flow_grpo_kontext.yaml"}
 
     def encode_edits(self, encoders, vae, images, prompts, max_sequence_length):
         cond, truncated = self.encode_prompts(encoders, prompts, max_sequence_length)
