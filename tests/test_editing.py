@@ -87,11 +87,12 @@ def test_a_rerun_keeps_finished_shards_and_re_encodes_a_changed_image(kontext, t
     shutil.copy(kontext["pairs"], root / "pairs.jsonl")
     before = {p.name: p.read_bytes() for p in store.glob("shard-*")}
     Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(root / "images" / "3.png")  # shard 1 (ids 2, 3) changes
-    args = ["preprocess_embeddings.py", "--model_path", str(kontext["model"]), "--edit_file", str(root / "pairs.jsonl"),
-            "--output_dir", str(store), "--max_sequence_length", str(MSL), "--shard_size", "2", "--negative_prompt",
-            "", "--device", "cpu"]
-    out = run_torchrun(args, nproc=1).stdout
-    assert "(encoded 1, kept 2 finished)" in out, out[-2000:]
+    from fastvideo.data import open_prompt_store, write_prompt_store
+
+    writer = open_prompt_store(None, kontext["model"], store, edit_file=root / "pairs.jsonl", max_sequence_length=MSL,
+                               shard_size=2, negative_prompt="")  # preprocess_embeddings.py's two calls, one process
+    done = write_prompt_store(writer, device=torch.device("cpu"))
+    assert (done["encoded"], done["kept"]) == (1, 2), done
     after = {p.name: p.read_bytes() for p in store.glob("shard-*")}
     assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]
     assert after["shard-00001.safetensors"] != before["shard-00001.safetensors"]
@@ -174,9 +175,7 @@ def _kontext_edit(model: Path, lora: Path | None, source: Image.Image) -> torch.
 def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kontext, tmp_path):
     """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward), --reward_overlap
     (the sources travel with each micro-batch): the first update's ratios are 1, the update reaches the adapter, the
-    source distance is logged beside the reward, and the export changes the stock Kontext pipeline's edit; then
-    sample.py on the run's export and the edit file itself (encoded as an edit store) writes each edit with its source
-    and the distance."""
+    source distance is logged beside the reward, and the export changes the stock Kontext pipeline's edit."""
     out = tmp_path / "grpo"
     run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2",
                                                      "--timestep_fraction", "0.7", "--reward_overlap")])
@@ -187,19 +186,6 @@ def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kon
     source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
     base, tuned = _kontext_edit(kontext["model"], None, source), _kontext_edit(kontext["model"], out / "final", source)
     assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
-    samples = tmp_path / "samples"
-    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(out), "--prompts", str(kontext["pairs"]),
-                           "--output_dir", str(samples), "--max_prompts", "2", "--num_images_per_prompt", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    index = [json.loads(line) for line in (samples / "index.jsonl").read_text().splitlines()]
-    assert [Path(r["source"]).name for r in index] == ["00000000.png", "00000001.png"]
-    assert Path(index[0]["source"]).parent == samples / "embeddings" / "sources"  # the edit file, encoded here
-    for r in index:  # the distance sample.py logged is the one between the PNGs it names
-        edit = np.asarray(Image.open(samples / r["path"]), dtype=np.float64) / 255
-        original = np.asarray(Image.open(r["source"]), dtype=np.float64) / 255
-        assert abs(r["source_distance"] - np.abs(edit - original).mean()) < 3e-3, r
 
 
 def test_edit_rewards_receive_the_sources_and_log_the_source_distance():
@@ -236,10 +222,11 @@ def test_edit_rewards_receive_the_sources_and_log_the_source_distance():
         fn(edits, ["a", "b", "c"], sources[:2])
 
 
-@pytest.mark.slow(cover=EDIT_GRPO, cost_s=28)
+@pytest.mark.slow(cover=EDIT_GRPO, cost_s=40)
 def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
     """In one 2-rank job, 2 steps each on the edit store: offline DPO on a pair file of edits (made by
-    ``python -m fastvideo.preference`` on the store), online DPO (CFG rollout), DiffusionNFT and AWM with LoRA,
+    ``python -m fastvideo.preference`` on the store), online DPO (CFG rollout), DiffusionNFT and AWM with LoRA, then
+    sample.py on the full fine-tune with the edit file as its prompts (each edit written with its source),
     and GRPO as a full fine-tune: finite losses, a moving policy, LoRA exports the Kontext pipeline loads, and a
     transformer folder that differs from the base model's."""
     from diffusers import FluxTransformer2DModel
@@ -273,3 +260,17 @@ def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
     tuned = FluxTransformer2DModel.from_pretrained(tmp_path / "full" / "final", local_files_only=True)
     start = FluxTransformer2DModel.from_pretrained(kontext["model"] / "transformer", local_files_only=True)
     assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), start.state_dict().values()))
+    # sample.py on the full fine-tune and the edit file itself (encoded as an edit store): each edit with its source
+    samples = tmp_path / "samples"
+    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(tmp_path / "full"), "--prompts",
+                           str(kontext["pairs"]), "--output_dir", str(samples), "--max_prompts", "2",
+                           "--num_images_per_prompt", "1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    index = [json.loads(line) for line in (samples / "index.jsonl").read_text().splitlines()]
+    assert [Path(r["source"]).name for r in index] == ["00000000.png", "00000001.png"]
+    assert Path(index[0]["source"]).parent == samples / "embeddings" / "sources"  # the edit file, encoded here
+    for r in index:  # the distance sample.py logged is the one between the PNGs it names
+        edit = np.asarray(Image.open(samples / r["path"]), dtype=np.float64) / 255
+        original = np.asarray(Image.open(r["source"]), dtype=np.float64) / 255
+        assert abs(r["source_distance"] - np.abs(edit - original).mean()) < 3e-3, r

@@ -50,6 +50,10 @@ FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny",
 # (Wan2.2-TI2V's: its per-token timesteps split with the tokens)
 FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2")
                 for preset in ("wan-tiny", "wan22-ti2v-tiny", "wan22-a14b-tiny")}
+# FLUX.1-Kontext: GRPO's rollout and replay (its source tokens in every forward, the CFG halves sharing them, the
+# sources reaching the reward); DPO's and NFT's updates are FLUX.1's calls with the same velocity, traced above
+FAMILY_EXTRA["flux-kontext-tiny"] = ("--objectives", "grpo")
+FAMILY_OBJECTIVES = {"flux-kontext-tiny": ("grpo",)}
 # LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
 VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 
@@ -170,17 +174,19 @@ def test_family_pretend_cuda_trace(family_report: dict, check: str) -> None:
 
 
 def test_family_trace_covers_every_objective(family_report: dict) -> None:
-    """GRPO's, DPO's and NFT's LoRA (CFG) and full (CFG-free) paths ran every phase, and attention ran inside every
-    budgeted loop."""
-    expected = {f"{o}/{v}/{phase}" for o in ("grpo", "dpo", "nft") for v in ("lora", "full")
+    """GRPO's, DPO's and NFT's (FLUX.1-Kontext: GRPO's) LoRA (CFG) and full (CFG-free) paths ran every phase, and
+    attention ran inside every budgeted loop."""
+    objectives = FAMILY_OBJECTIVES.get(family_report["preset"], ("grpo", "dpo", "nft"))
+    expected = {f"{o}/{v}/{phase}" for o in objectives for v in ("lora", "full")
                 for phase in ("build", "rollout", "reward", "update", "checkpoint")}
     assert expected <= set(family_report["paths"]), sorted(expected - set(family_report["paths"]))
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}
-    assert {"sampling_step", "replay_step", "dpo_update_step", "nft_update_step"} <= loops, loops
+    budgeted = {"grpo": {"sampling_step", "replay_step"}, "dpo": {"dpo_update_step"}, "nft": {"nft_update_step"}}
+    assert set().union(*(budgeted[o] for o in objectives)) <= loops, loops
     if family_report["preset"] == "flux-kontext-tiny":  # each rank's edit sources reached the reward on the device
         watch = "fastvideo/rewards/__init__.py:source_distance"
         scored = {f["path"].split("/")[0] for f in family_report["findings"] if f["site_key"] == watch}
-        assert scored == {"grpo", "dpo", "nft"}, scored
+        assert scored == {"grpo"}, scored
     if "--sp_size" in FAMILY_EXTRA.get(family_report["preset"], ()):  # Wan: its SP 2 forward over the video tokens
         assert {"sp2/grpo/lora/build", "sp2/grpo/lora/rollout"} <= set(family_report["paths"])
         assert [a for a in family_report["attention"] if a["path"].startswith("sp2/")], "no attention under SP 2"

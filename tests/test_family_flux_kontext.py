@@ -203,6 +203,8 @@ def test_flops_count_the_source_tokens(parts, family, sources):
     assert counted > family.transformer_flops(model.config, geometry.seq_len, T5_TOKENS, 2)
 
 
+# slow: a --dry_run subprocess (~15 s); the planner's arithmetic is the default tier's on FLUX.1-dev
+@pytest.mark.slow(cover="test_memory.py::test_plan_arithmetic_for_flux_dev", cost_s=15)
 def test_dry_run_plans_the_source_tokens(tmp_path):
     """--dry_run on FLUX.1-Kontext-dev's real configs reads the edit store's source size: the transformer's sequence
     is the target's and the source's tokens, and the source latents are planned beside the rollout buffers."""
