@@ -1,5 +1,5 @@
 """Image editing end to end on the tiny FLUX.1-Kontext (``flux-kontext-tiny``) through the product's commands:
-``preprocess_embeddings.py --edit_file`` on 2 ranks (stored rows = the adapter's ``encode_edits``; the stored sources
+``preprocess_embeddings.py --edit_file`` (stored rows = the adapter's ``encode_edits``; the stored sources
 are the pixels it encoded; a re-run keeps finished shards and re-encodes the one whose image changed), bad edit files
 refused with the line named before any model loads, and GRPO with LoRA and true CFG on 2 ranks (on-policy at the first
 update; the export loads in the stock ``FluxKontextPipeline`` and changes its edits). The slow tier adds online DPO,
@@ -43,19 +43,21 @@ def write_edits(root: Path, n: int = len(INSTRUCTIONS), size: tuple[int, int] = 
 
 @pytest.fixture(scope="module")
 def kontext(tmp_path_factory) -> dict:
-    """The tiny Kontext folder and its edit store (6 edits in shards of 2, written by 2 ranks, negative prompt "")."""
+    """The tiny Kontext folder and its edit store (6 edits in shards of 2, negative prompt ""), written in this process
+    by preprocess_embeddings.py's two calls (the ranks' sharding is family-free: tests/test_preprocess.py)."""
+    from fastvideo.data import open_prompt_store, write_prompt_store
     from fastvideo.models.flux_kontext import build_tiny
 
     root = tmp_path_factory.mktemp("edits")
     model = build_tiny(root / "model", seed=0)
     pairs = write_edits(root)
-    run_torchrun(["preprocess_embeddings.py", "--model_path", str(model), "--edit_file", str(pairs), "--output_dir",
-                  str(root / "store"), "--max_sequence_length", str(MSL), "--shard_size", "2", "--negative_prompt",
-                  "", "--device", "cpu"])
+    writer = open_prompt_store(None, model, root / "store", edit_file=pairs, max_sequence_length=MSL, shard_size=2,
+                               negative_prompt="")
+    write_prompt_store(writer, device=torch.device("cpu"))
     return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
 
 
-def test_preprocessing_on_two_ranks_stores_what_encode_edits_gives(kontext):
+def test_preprocessing_stores_what_encode_edits_gives(kontext):
     from fastvideo import models
     from fastvideo.data import EmbeddingDataset
     from fastvideo.edits import EditSources

@@ -114,6 +114,9 @@ def test_base_model_output_is_complete_deterministic_and_equals_flux_pipeline(ti
     _assert_pipeline_equal(base_run, _pipeline_pngs(tiny_flux_dir, base_run, rows), rows)
 
 
+# slow (suite time, ~13 s): the base model's output against FluxPipeline is the default tier's
+@pytest.mark.slow(cover="test_sample.py::test_base_model_output_is_complete_deterministic_and_equals_flux_pipeline",
+                  cost_s=13)
 def test_lora_and_full_finetune_equal_flux_pipeline_and_compare_grid(tiny_flux_dir, prompts, base_run, tmp_path):
     from dist_scripts.sharding_common import randomize_lora_b
     from PIL import Image
