@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -143,8 +143,14 @@ class EditSources:
                                  f"({err}); replace it or drop the line") from None
             if (rgb.height, rgb.width) != (self.height, self.width):
                 rgb = rgb.resize((self.width, self.height), resample=Image.LANCZOS)
-            out.append(torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1))
-        return torch.stack(out).float() / 255
+            out.append(rgb)
+        return to_tensor(out)
+
+
+def to_tensor(images: Sequence[Any]) -> torch.Tensor:
+    """RGB PIL images of one size -> (B, 3, H, W) float32 in [0, 1]: ``to_uint8``'s inverse."""
+    return torch.stack([torch.from_numpy(np.asarray(i, dtype=np.uint8).copy()).permute(2, 0, 1)
+                        for i in images]).float() / 255
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -179,5 +185,5 @@ def read_sources(root: Path, ids: Sequence[int]) -> torch.Tensor:
             raise FileNotFoundError(f"{path} is missing from the edit store; re-run preprocess_embeddings.py with the "
                                     "same --edit_file and --output_dir to rewrite it")
         with Image.open(path) as image:
-            out.append(torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1))
-    return torch.stack(out).float() / 255
+            out.append(image.convert("RGB"))
+    return to_tensor(out)

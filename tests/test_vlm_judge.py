@@ -494,6 +494,22 @@ def test_absurd_logprobs_are_the_judges_own_error():
                                            {"token": "No", "logprob": 0.0}]) == 0.0
 
 
+def _yes_probability(local, images: list, text: str) -> float:
+    """The tiny judge's own P(yes) / (P(yes) + P(no)) for one user message of ``images`` (PIL) then ``text``, read in
+    process through transformers' chat template (the reference a multi-image judge request must equal)."""
+    processor, model = local
+    messages = [{"role": "user", "content": [*({"type": "image", "image": i} for i in images),
+                                             {"type": "text", "text": text}]}]
+    inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, -1]
+    top = torch.log_softmax(logits.float(), -1).topk(20)
+    words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
+    p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
+    return p["yes"] / (p["yes"] + p["no"])
+
+
 def test_judge_sees_an_edits_source_then_the_edit(server, local, token):
     """On an edit run the judge's request shows the source and then the edit with the edit question, and the score is
     the model's own P(yes) for that two-image message; OCR reads the edit alone."""
@@ -503,21 +519,9 @@ def test_judge_sees_an_edits_source_then_the_edit(server, local, token):
     sources = torch.rand(2, 3, 24, 24, generator=torch.Generator().manual_seed(6))  # another size: sent as it is
     prompts = ["make the square red", "remove the circle"]
     scored = build_reward(f"vlm_judge:{server}/v1:1.0", "cpu")(edits, prompts, sources)
-    processor, model = local
-    expected = []
-    for edit, source, prompt in zip(edits, sources, prompts):
-        shown = [Image.fromarray(_pixels(x[None])[0].numpy()) for x in (source, edit)]
-        text = vlm_judge.render(vlm_judge.EDIT_TEMPLATES["yes_no"], prompt, 10)
-        messages = [{"role": "user", "content": [*({"type": "image", "image": i} for i in shown),
-                                                 {"type": "text", "text": text}]}]
-        inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                               return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0, -1]
-        top = torch.log_softmax(logits.float(), -1).topk(20)
-        words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
-        p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
-        expected.append(p["yes"] / (p["yes"] + p["no"]))
+    expected = [_yes_probability(local, [Image.fromarray(_pixels(x[None])[0].numpy()) for x in (source, edit)],
+                                 vlm_judge.render(vlm_judge.EDIT_TEMPLATES["yes_no"], prompt, 10))
+                for edit, source, prompt in zip(edits, sources, prompts)]
     assert scored["vlm_judge"].tolist() == pytest.approx(expected, abs=1e-5)
     assert scored["vlm_judge"].tolist() != pytest.approx(build_reward(f"vlm_judge:{server}/v1:1.0", "cpu")(
         edits, prompts)["vlm_judge"].tolist(), abs=1e-5)  # the source changed what the judge saw
@@ -537,21 +541,9 @@ def test_judge_sees_a_videos_frames_in_one_request(server, local, token):
     reward.reward_frames = 3
     scored = reward(videos, prompts)
     assert set(scored) == {"total", "vlm_judge", "vlm_judge_logprob_used", "frame_change"}
-    processor, model = local
-    expected = []
-    for video, prompt in zip(videos, prompts):
-        frames = [Image.fromarray(_pixels(video[i:i + 1])[0].numpy()) for i in (0, 2, 4)]
-        text = vlm_judge.render(vlm_judge.VIDEO_TEMPLATES["yes_no"], prompt, 10, frames=3)
-        messages = [{"role": "user", "content": [*({"type": "image", "image": f} for f in frames),
-                                                 {"type": "text", "text": text}]}]
-        inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                               return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0, -1]
-        top = torch.log_softmax(logits.float(), -1).topk(20)
-        words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
-        p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
-        expected.append(p["yes"] / (p["yes"] + p["no"]))
+    expected = [_yes_probability(local, [Image.fromarray(_pixels(video[i:i + 1])[0].numpy()) for i in (0, 2, 4)],
+                                 vlm_judge.render(vlm_judge.VIDEO_TEMPLATES["yes_no"], prompt, 10, frames=3))
+                for video, prompt in zip(videos, prompts)]
     assert scored["vlm_judge"].tolist() == pytest.approx(expected, abs=1e-5)
     assert scored["total"].tolist() == scored["vlm_judge"].tolist()
     assert "These are 3 frames of a video, in order." in vlm_judge.render(
