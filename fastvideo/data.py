@@ -156,6 +156,13 @@ class StoreSpec:
     model_family: str = "flux1"  # the family's --model_family name (informational; encoders_fingerprint decides)
     negative_prompt: str | None = None  # also store this prompt's embeddings (--cfg_scale's unconditional branch)
     condition_keys: tuple[str, ...] = ()  # an edit store's keys made from the source image (not in the negative row)
+    negative_sees_source: bool = False  # the negative prompt is encoded with each source: its rows live in the shards
+
+    @property
+    def shard_keys(self) -> tuple[str, ...]:
+        """The tensors of a shard: the embedding keys, and ``negative_<key>`` rows where the negative sees the source."""
+        per_example = self.negative_sees_source and self.negative_prompt is not None
+        return self.embedding_keys + (tuple(f"negative_{k}" for k in self.text_keys) if per_example else ())
 
     @property
     def text_keys(self) -> tuple[str, ...]:
@@ -239,6 +246,7 @@ class EmbeddingWriter:
             "num_prompts": str(shard.num_prompts),
             "prompts_sha256": _prompts_hash(self.prompts[shard.first_id:shard.first_id + shard.num_prompts]),
             **({"sources_sha256": self.sources.identity(shard.first_id, shard.num_prompts)} if self.sources else {}),
+            **({"negative_prompt": json.dumps(self.spec.negative_prompt)} if self.spec.negative_sees_source else {}),
         }
 
     def is_complete(self, shard: ShardSpec) -> bool:
@@ -282,7 +290,7 @@ class EmbeddingWriter:
         n = shard.num_prompts
         if len(truncated) != n:
             raise ValueError(f"shard {shard.file} expects {n} truncation flags, got {len(truncated)}")
-        tensors = self._tensors(tensors, n, f"shard {shard.file}")
+        tensors = self._tensors(tensors, n, f"shard {shard.file}", self.spec.shard_keys)
         header = self._expected_header(shard)
         header["model_path"] = self.spec.model_path
         header["truncated_ids"] = json.dumps([i for i, t in zip(shard.ids, truncated) if t])
@@ -299,8 +307,9 @@ class EmbeddingWriter:
                 "negative_prompt": self.spec.negative_prompt or ""}
 
     def negative_complete(self) -> bool:
-        """True when no negative prompt is asked for, or ``negative.safetensors`` holds exactly this one."""
-        if self.spec.negative_prompt is None:
+        """True when no negative prompt is asked for, or ``negative.safetensors`` holds exactly this one (the shards
+        hold it where it sees the source)."""
+        if self.spec.negative_prompt is None or self.spec.negative_sees_source:
             return True
         header = self._shard_header(self.output_dir / NEGATIVE_FILE)
         return all(header.get(k) == v for k, v in self._negative_header().items())
@@ -340,7 +349,8 @@ class EmbeddingWriter:
             if path.name == edits.SOURCES_DIR and self.sources is not None:
                 for stale in path.glob(".*.tmp.*"):
                     stale.unlink(missing_ok=True)
-            stale_negative = path.name == NEGATIVE_FILE and self.spec.negative_prompt is None
+            stale_negative = path.name == NEGATIVE_FILE and (self.spec.negative_prompt is None
+                                                             or self.spec.negative_sees_source)
             if stale_shard or leftover_tmp or stale_negative:
                 path.unlink(missing_ok=True)
         manifest = {
@@ -356,8 +366,9 @@ class EmbeddingWriter:
             "embedding_keys": list(self.spec.embedding_keys),
             "shapes": shapes,
             "tensor_dtypes": tensor_dtypes,
-            "negative": None if self.spec.negative_prompt is None else {"prompt": self.spec.negative_prompt,
-                                                                        "file": NEGATIVE_FILE},
+            "negative": None if self.spec.negative_prompt is None else (
+                {"prompt": self.spec.negative_prompt, "per_example": True} if self.spec.negative_sees_source
+                else {"prompt": self.spec.negative_prompt, "file": NEGATIVE_FILE}),
             "prompt_file": self.prompt_file,
             "condition_keys": list(self.spec.condition_keys),
             "edit": None if self.sources is None else {"file": self.sources.file, "height": self.sources.height,
@@ -391,7 +402,7 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
         sources = edits.EditSources.open(edit_file, edit_size)
         prompts, prompt_file = sources.prompts, edit_file
     elif edit_file is not None:
-        raise ValueError(f"--edit_file needs an edit model family (flux-kontext); {model_path} is {family.name}: pass "
+        raise ValueError(f"--edit_file needs an edit model family (flux-kontext, qwen-image-edit); {model_path} is {family.name}: pass "
                          "--prompt_file, or an edit model (docs/editing.md)")
     else:
         prompts = read_prompt_file(prompt_file)
@@ -410,7 +421,8 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
     spec = StoreSpec(model_path=str(model_path), encoders_fingerprint=family.encoders_fingerprint(model_path),
                      max_sequence_length=max_sequence_length, dtype=dtype, shard_size=shard_size,
                      embedding_keys=tuple(family.embedding_keys), model_family=family.name or repr(family),
-                     negative_prompt=negative_prompt, condition_keys=tuple(family.condition_keys))
+                     negative_prompt=negative_prompt, condition_keys=tuple(family.condition_keys),
+                     negative_sees_source=bool(family.edit and family.negative_sees_source))
     writer = EmbeddingWriter(Path(output_dir), prompts, spec, prompt_file=str(Path(prompt_file).resolve()),
                              family=family, sources=sources)
     writer.check_existing()
@@ -432,7 +444,7 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
         msl = writer.spec.max_sequence_length
         for shard in todo:
             texts = writer.prompts_of(shard)
-            parts: dict[str, list[torch.Tensor]] = {k: [] for k in writer.spec.embedding_keys}
+            parts: dict[str, list[torch.Tensor]] = {k: [] for k in writer.spec.shard_keys}
             truncated: list[bool] = []
             for i in range(0, len(texts), batch_size):
                 with torch.no_grad():
@@ -442,6 +454,10 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
                         ids = list(shard.ids)[i:i + batch_size]
                         images = writer.sources.load(ids)
                         cond, t = family.encode_edits(encoders, vae, images.to(device), texts[i:i + batch_size], msl)
+                        if len(writer.spec.shard_keys) > len(cond):  # the negative prompt with each source
+                            negative, _ = family.encode_edits(encoders, vae, images.to(device),
+                                                              [writer.spec.negative_prompt] * len(ids), msl)
+                            cond.update({f"negative_{k}": negative[k] for k in writer.spec.text_keys})
                         edits.save_sources(writer.output_dir, ids, images)
                 for key in parts:
                     parts[key].append(cond[key].cpu())
@@ -505,6 +521,7 @@ class EmbeddingDataset:
         self.family: Any = None  # the model family whose ``collate`` shapes a batch (``use``)
         self.with_negative = False  # whether ``get_batch`` adds the negative prompt's rows (``use``)
         self._negative: dict[str, torch.Tensor] | None = None  # ``negative_rows``, once read
+        self.negative_in_shards = bool((m.get("negative") or {}).get("per_example"))  # a row per example (edits)
         self.prompts: list[str] = [p["prompt"] for p in self.manifest["prompts"]]
         if len(self.prompts) != self.manifest["num_prompts"]:
             raise ValueError(f"{path} is inconsistent (num_prompts != len(prompts)); re-run preprocess_embeddings.py")
@@ -617,10 +634,10 @@ class EmbeddingDataset:
             raise IndexError(f"prompt id {prompt_id} out of range [0, {len(self.prompts)})")
         return i
 
-    def _rows(self, prompt_id: int) -> dict[str, torch.Tensor]:
+    def _rows(self, prompt_id: int, keys: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
         file, row = self._shard_of[prompt_id]
         handle = self._handle(file)
-        return {key: handle.get_slice(key)[row:row + 1] for key in self.embedding_keys}  # (1, ...) each
+        return {key: handle.get_slice(key)[row:row + 1] for key in keys or self.embedding_keys}  # (1, ...) each
 
     def __getitem__(self, prompt_id: int) -> dict[str, Any]:
         i = self._check_id(prompt_id)
@@ -633,12 +650,12 @@ class EmbeddingDataset:
             raise ValueError(f"{self.root} holds {'edits' if self.condition_size else 'prompts'} but the {family.name} "
                              f"family {'edits a source image' if family.edit else 'takes no source image'}: "
                              + ("preprocess an --edit_file with this model" if family.edit else
-                                "train an edit family (flux-kontext) on it") + " (docs/editing.md)")
+                                "train an edit family (flux-kontext, qwen-image-edit) on it") + " (docs/editing.md)")
         if negative and not self.manifest.get("negative"):
             raise ValueError(f"--cfg_scale > 1 needs the negative prompt's embeddings, which {self.root} does not "
                              "hold: re-run preprocess_embeddings.py with --negative_prompt \"\" (or the family's "
                              "negative prompt) into the same --output_dir (finished shards are kept), or pass --cfg_scale 1")
-        if negative:
+        if negative and not self.negative_in_shards:
             negative_file = resolve_inside(self.root, self.manifest["negative"]["file"], str(self.manifest_path))
             if not negative_file.is_file():
                 raise FileNotFoundError(f"{negative_file} listed in {self.manifest_path} is missing; re-run "
@@ -664,13 +681,15 @@ class EmbeddingDataset:
         ids = [self._check_id(i) for i in prompt_ids]
         if not ids:
             raise ValueError("get_batch needs at least one prompt id")
+        text = [k for k in self.embedding_keys if k not in self.condition_keys]  # the negative row's keys
+        in_shards = self.with_negative and self.negative_in_shards
+        keys = self.embedding_keys + (tuple(f"negative_{k}" for k in text) if in_shards else ())
         cache: dict[int, dict[str, torch.Tensor]] = {}
         for i in ids:
             if i not in cache:
-                cache[i] = self._rows(i)
-        cond = {k: torch.cat([cache[i][k] for i in ids]) for k in self.embedding_keys}  # (B, ...) each
-        text = [k for k in self.embedding_keys if k not in self.condition_keys]  # the negative row's keys
-        if self.with_negative:
+                cache[i] = self._rows(i, keys)
+        cond = {k: torch.cat([cache[i][k] for i in ids]) for k in keys}  # (B, ...) each
+        if self.with_negative and not in_shards:
             negative = self.negative_rows()
             cond.update({f"negative_{k}": negative[k].expand(len(ids), *negative[k].shape[1:]).clone() for k in text})
         if self.family is not None:

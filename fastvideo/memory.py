@@ -412,7 +412,7 @@ def _text_tokens(args: argparse.Namespace, family: Any) -> int:
             length = EmbeddingDataset(args.data_json_path).max_sequence_length
     except FileNotFoundError:  # a plan may be made before preprocessing
         pass
-    return family.text_tokens(length)
+    return family.text_tokens(length, condition=_condition_size(args, family))
 
 
 def _shard_size(strategy: str, world: int) -> int:
@@ -591,7 +591,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     if gathered_latents:
         items.append(PlanItem("clean latents of the step, gathered (fp32)", 0.0, 4 * gathered_latents * L * C,
                               "persistent", f"{gathered_latents} x L x C on the host: pairs may span ranks"))
-    items.append(PlanItem("text embeddings of this rank's samples (fp32)" + (" + negative rows" if guided > 1 else ""),
+    items.append(PlanItem("text embeddings of this rank's samples (fp32)" + (" + CFG" if guided > 1 else ""),
                           4 * guided * B * (T * joint + pooled), 0.0, "persistent"))
     if Lc:  # an edit: each sample's packed source latents (both CFG halves share them), its source image on the host
         items.append(PlanItem("source latents of this rank's samples (fp32)", 4 * B * Lc * C,
@@ -631,17 +631,20 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
 
 
 def _condition_size(args: Any, family: Any) -> tuple[int, int] | None:
-    """An edit run's source size (height, width), from --data_json_path's manifest when it is there (None: the planner
-    assumes sources of the target's size)."""
-    if not family.edit or not getattr(args, "data_json_path", None):
+    """An edit run's source size (height, width): from --data_json_path's manifest when it is there, else the size the
+    family's pipeline resizes a source of the target's shape to (``default_condition_size``); None: no edit run."""
+    if not family.edit:
         return None
+    if not getattr(args, "data_json_path", None):
+        return family.default_condition_size(args.h, args.w)
     path = Path(args.data_json_path)
     manifest = path / "manifest.json" if path.is_dir() else path
     try:
         edit = json.loads(manifest.read_text()).get("edit") if manifest.is_file() else None
     except (OSError, ValueError, AttributeError):
         return None
-    return (int(edit["height"]), int(edit["width"])) if isinstance(edit, dict) else None
+    return ((int(edit["height"]), int(edit["width"])) if isinstance(edit, dict)
+            else family.default_condition_size(args.h, args.w))
 
 
 @dataclass

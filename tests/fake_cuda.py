@@ -933,7 +933,8 @@ def _shared(model_dir: Path, hps_checkpoint: Path, hps_model: Path, work_dir: Pa
     reward = build_reward("hpsv2:1.0,toyworld:1.0,toyworld_strict:1.0", device, hps_checkpoint=str(hps_checkpoint),
                           hps_model=str(hps_model))
     frames = int(extra_flags[extra_flags.index("--num_frames") + 1]) if "--num_frames" in extra_flags else None
-    geometry = models.geometry_for(family, model_dir, size, size, frames)  # a video family: of --num_frames
+    geometry = models.geometry_for(family, model_dir, size, size, frames,  # a video family: of --num_frames
+                                   condition=(size, size) if family.edit else None)  # an edit: the rows' source
     return Shared(model_dir, work_dir, size, geometry, vae, reward,
                   list(all_prompts()[:16]), rows, extra_flags, dict(variant_flags or {}))
 

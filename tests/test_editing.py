@@ -276,3 +276,79 @@ def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
         edit = np.asarray(Image.open(samples / r["path"]), dtype=np.float64) / 255
         original = np.asarray(Image.open(r["source"]), dtype=np.float64) / 255
         assert abs(r["source_distance"] - np.abs(edit - original).mean()) < 3e-3, r
+
+
+# ------------------------------------------------------------------------------------------ Qwen-Image-Edit
+@pytest.fixture(scope="module")
+def qwen_edit(tmp_path_factory) -> dict:
+    """The tiny Qwen-Image-Edit folder and its edit store (6 edits, negative prompt " " encoded with each source)."""
+    from fastvideo.data import open_prompt_store, write_prompt_store
+    from fastvideo.models.qwen_image_edit import build_tiny
+
+    root = tmp_path_factory.mktemp("qwen-edits")
+    model = build_tiny(root / "model", seed=0)
+    pairs = write_edits(root)
+    writer = open_prompt_store(None, model, root / "store", edit_file=pairs, max_sequence_length=MSL, shard_size=2,
+                               negative_prompt=" ")
+    write_prompt_store(writer, device=torch.device("cpu"))
+    return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
+
+
+def _qwen_edit(model: Path, lora: Path | None, source: Image.Image, **call) -> torch.Tensor:
+    """The stock QwenImageEditPipeline's edit of ``source`` (its source kept at its own size: the pipeline would
+    resize it to a 1024² area, as ``--edit_size`` does for a store)."""
+    from unittest import mock
+
+    from diffusers import QwenImageEditPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+    pipe = QwenImageEditPipeline.from_pretrained(model, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
+    with mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (W, H, None)):
+        return pipe(image=source, prompt=INSTRUCTIONS[0], height=H, width=W, num_inference_steps=2, output_type="pt",
+                    generator=torch.Generator().manual_seed(0), **call).images
+
+
+@pytest.mark.slow(cover="test_family_qwen_image_edit.py::test_the_edit_store_keeps_a_negative_row_per_source",
+                  cost_s=30)
+def test_qwen_image_edit_trainers_with_a_negative_per_source(qwen_edit, tmp_path):
+    """In one 2-rank job on the Qwen-Image-Edit store (its negative rows encoded with each source): GRPO with LoRA,
+    true CFG 4 and --reward_overlap (ratio 1 at the first update), online DPO with CFG, DiffusionNFT, and GRPO as a
+    full fine-tune; the LoRA exports change the stock QwenImageEditPipeline's edit (with its own true CFG), the full
+    fine-tune's folder loads as QwenImageTransformer2DModel and differs; sample.py edits with CFG."""
+    from diffusers import QwenImageTransformer2DModel
+
+    lora = ["--lora_rank", "4"]
+    run_in_one_job([
+        ("train_grpo_flux.py", _train_args(qwen_edit, tmp_path / "grpo", *lora, "--cfg_scale", "4",
+                                           "--timestep_fraction", "0.7", "--reward_overlap")),
+        ("train_dpo.py", _train_args(qwen_edit, tmp_path / "dpo", *lora, "--cfg_scale", "4")),
+        ("train_nft.py", _train_args(qwen_edit, tmp_path / "nft", *lora, "--cfg_scale", "1")),
+        ("train_grpo_flux.py", _train_args(qwen_edit, tmp_path / "full", "--lora_rank", "0", "--learning_rate",
+                                           "1e-4", "--timestep_fraction", "0.7", "--cfg_scale", "1")),
+    ], tmp_path)
+    grpo = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert grpo[0]["ratio_first_update_max_dev"] < 1e-5 and grpo[0]["grad_norm"] > 0, grpo[0]
+    assert all(0.02 < r["reward_source_distance"] < 1 for r in grpo), grpo
+    source = Image.open(qwen_edit["root"] / "images" / "0.png").convert("RGB")
+    cfg = {"negative_prompt": " ", "true_cfg_scale": 4.0}
+    base = _qwen_edit(qwen_edit["model"], None, source, **cfg)
+    for name in ("grpo", "dpo", "nft"):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows), (name, rows)
+        tuned = _qwen_edit(qwen_edit["model"], tmp_path / name / "final", source, **cfg)
+        assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4, name
+    tuned = QwenImageTransformer2DModel.from_pretrained(tmp_path / "full" / "final", local_files_only=True)
+    start = QwenImageTransformer2DModel.from_pretrained(qwen_edit["model"] / "transformer", local_files_only=True)
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.state_dict().values(), start.state_dict().values()))
+    samples = tmp_path / "samples"
+    proc = subprocess.run([sys.executable, "sample.py", "--run_dir", str(tmp_path / "grpo"), "--prompts",
+                           str(qwen_edit["pairs"]), "--output_dir", str(samples), "--max_prompts", "2",
+                           "--num_images_per_prompt", "1", "--cfg_scale", "4"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    index = [json.loads(line) for line in (samples / "index.jsonl").read_text().splitlines()]
+    assert len(index) == 2 and all(0 < r["source_distance"] < 1 for r in index), index
+    assert json.loads((samples / "embeddings" / "manifest.json").read_text())["negative"]["per_example"]

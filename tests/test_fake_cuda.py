@@ -42,18 +42,20 @@ def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> 
 # DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
 # 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,
 # rewarded over frames, and adds its SP 2 path; FLUX.1-Kontext edits (its source tokens in every forward, the CFG
-# halves sharing them, the sources handed to the reward). Sequence parallelism is FLUX.1's and Wan's (the other families refuse
+# halves sharing them, the sources handed to the reward) and so does Qwen-Image-Edit (its VLM rows seeing the source). Sequence parallelism is FLUX.1's and Wan's (the other families refuse
 # --sp_size > 1 before loading: test_sequence_parallel.py).
 FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny", "wan22-ti2v-tiny",
-                  "wan22-a14b-tiny", "flux-kontext-tiny")
+                  "wan22-a14b-tiny", "flux-kontext-tiny", "qwen-image-edit-tiny")
 # a family's own trace flags: Wan's 5-frame videos (rewarded over frames) and its SP 2 path over the video tokens
 # (Wan2.2-TI2V's: its per-token timesteps split with the tokens)
 FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2")
                 for preset in ("wan-tiny", "wan22-ti2v-tiny", "wan22-a14b-tiny")}
-# FLUX.1-Kontext: GRPO's rollout and replay (its source tokens in every forward, the CFG halves sharing them, the
-# sources reaching the reward); DPO's and NFT's updates are FLUX.1's calls with the same velocity, traced above
-FAMILY_EXTRA["flux-kontext-tiny"] = ("--objectives", "grpo")
-FAMILY_OBJECTIVES = {"flux-kontext-tiny": ("grpo",)}
+# The edit families (FLUX.1-Kontext, Qwen-Image-Edit): GRPO's rollout and replay (the source tokens in every forward,
+# the CFG halves sharing them, Qwen-Image-Edit's negative rows per source, the sources reaching the reward); DPO's and
+# NFT's updates are their base families' calls with the same velocity, traced above
+EDIT_PRESETS = ("flux-kontext-tiny", "qwen-image-edit-tiny")
+FAMILY_EXTRA.update({preset: ("--objectives", "grpo") for preset in EDIT_PRESETS})
+FAMILY_OBJECTIVES = {preset: ("grpo",) for preset in EDIT_PRESETS}
 # LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
 VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 
@@ -183,7 +185,7 @@ def test_family_trace_covers_every_objective(family_report: dict) -> None:
     loops = {f["iteration"].split("[")[0] for f in family_report["attention"] if f["iteration"]}
     budgeted = {"grpo": {"sampling_step", "replay_step"}, "dpo": {"dpo_update_step"}, "nft": {"nft_update_step"}}
     assert set().union(*(budgeted[o] for o in objectives)) <= loops, loops
-    if family_report["preset"] == "flux-kontext-tiny":  # each rank's edit sources reached the reward on the device
+    if family_report["preset"] in EDIT_PRESETS:  # each rank's edit sources reached the reward on the device
         watch = "fastvideo/rewards/__init__.py:source_distance"
         scored = {f["path"].split("/")[0] for f in family_report["findings"] if f["site_key"] == watch}
         assert scored == {"grpo"}, scored

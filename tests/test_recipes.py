@@ -57,6 +57,7 @@ PRESET_PARAMS = {
     "flux2-klein-4b-config": r"[34]\.\d+B",
     "wan2.1-t2v-14b-config": r"14\.\d+B",
     "flux-kontext-dev-config": r"1[12]\.\d+B",
+    "qwen-image-edit-config": r"20\.\d+B",
 }
 
 

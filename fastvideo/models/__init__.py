@@ -34,6 +34,7 @@ FAMILIES: dict[str, str] = {
     "flux2": "fastvideo.models.flux2:Flux2",
     "wan": "fastvideo.models.wan:Wan",
     "flux-kontext": "fastvideo.models.flux_kontext:FluxKontext",
+    "qwen-image-edit": "fastvideo.models.qwen_image_edit:QwenImageEdit",
 }
 _HELP = "docs/model-families.md"
 _cache: dict[str, ModelFamily] = {}
@@ -114,7 +115,7 @@ def geometry_for(family: ModelFamily, source: Any, height: int, width: int, fram
     """The latent geometry of ``height`` x ``width`` samples (a video family: of ``frames`` frames, None = its
     pipeline's default); ``frames`` other than None or 1 for an image family is a ValueError naming the flag. An edit
     family's geometry also holds its source images' (``condition``: their (height, width), the edit store's
-    ``condition_size``; None: the target's size, the planner's assumption)."""
+    ``condition_size``; None: ``family.default_condition_size``, the planner's assumption)."""
     if family.video:
         geometry = family.latent_geometry(source, height, width, frames)
     elif frames not in (None, 1):
@@ -125,9 +126,9 @@ def geometry_for(family: ModelFamily, source: Any, height: int, width: int, fram
     if not family.edit:
         if condition is not None:
             raise ValueError(f"the {family.name} family takes no source image, but the data holds edits: train an "
-                             "edit family (flux-kontext) on them, or preprocess a --prompt_file")
+                             "edit family (flux-kontext, qwen-image-edit) on them, or preprocess a --prompt_file")
         return geometry
-    h, w = (height, width) if condition is None else condition
+    h, w = family.default_condition_size(height, width) if condition is None else condition
     return family.edit_geometry(geometry, source, h, w)
 
 
@@ -153,7 +154,7 @@ class ModelOptions:
     pretrained_model_name_or_path: str | None = opt(
         None, "local diffusers model folder (model_index.json, transformer/, vae/, ...); required")
     model_family: str = opt("auto", "model family adapter: auto (from the folder's model_index.json) | flux1 | sd3 | "
-                                    "qwen-image | flux2 | wan | flux-kontext | "
+                                    "qwen-image | flux2 | wan | flux-kontext | qwen-image-edit | "
                                     "package.module:Class, your own fastvideo.models.ModelFamily (docs/model-families.md)")
     data_json_path: str | None = opt(
         None, "manifest.json (or its folder) written by preprocess_embeddings.py; required")

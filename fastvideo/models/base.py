@@ -107,6 +107,9 @@ class ModelFamily:
     # geometry carries the source's (``edit_geometry``), so the rollout, replay and losses see the target tokens only.
     edit: ClassVar[bool] = False
     condition_keys: ClassVar[tuple[str, ...]] = ()
+    # Whether the pipeline encodes the negative prompt with the source (Qwen-Image-Edit's VLM sees it): the store then
+    # keeps a negative row per example in the shards instead of one ``negative.safetensors`` row.
+    negative_sees_source: ClassVar[bool] = False
 
     recipes: ClassVar[dict[str, str]] = {}  # trainer (grpo, dpo, nft) -> the launchers' default recipe for it
 
@@ -196,9 +199,10 @@ class ModelFamily:
         default: unchanged."""
         return cond
 
-    def text_tokens(self, max_sequence_length: int) -> int:
+    def text_tokens(self, max_sequence_length: int, condition: tuple[int, int] | None = None) -> int:
         """Text tokens per prompt the transformer attends over for a store of ``max_sequence_length`` (the planner's
-        and FLOP meter's T); default: ``max_sequence_length``."""
+        and FLOP meter's T; an edit family's may grow with the (height, width) of its ``condition`` source, None: the
+        family's default size); default: ``max_sequence_length``."""
         return int(max_sequence_length)
 
     # ------------------------------------------------------------------------------------------- latents
@@ -206,6 +210,11 @@ class ModelFamily:
         """The latent layout for ``height`` x ``width`` images (``.height .width .seq_len .packed_channels
         .packed_shape``); ValueError naming valid sizes."""
         raise self._missing("latent_geometry")
+
+    def default_condition_size(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) an edit family's pipeline gives a source when no edit store says (the planner's
+        assumption for ``height`` x ``width`` edits); default: the target's."""
+        return int(height), int(width)
 
     def edit_geometry(self, geometry: Any, vae_or_config: Any, height: int, width: int) -> Any:
         """``geometry`` (the target's) with the source image's latent geometry for ``height`` x ``width`` sources

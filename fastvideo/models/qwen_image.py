@@ -391,6 +391,12 @@ class QwenImage(ModelFamily):
     def predict_velocity(self, transformer, latents, sigma, cond, shared):
         """One transformer call as the pipeline makes it (timestep = sigma, the text mask, ``img_shapes`` of this
         call's rows), float32 out; inputs cast to the model's dtype unless autocast is on. No host sync."""
+        return self.transformer_call(transformer, latents, sigma, cond, [shared["img_shape"]])
+
+    def transformer_call(self, transformer: Any, latents: torch.Tensor, sigma: Any, cond: dict[str, torch.Tensor],
+                         img_shapes: list[tuple[int, int, int]]) -> torch.Tensor:
+        """``predict_velocity``'s transformer call on ``latents`` made of the packed grids ``img_shapes`` (an edit
+        family: the target's, then the source's), float32 out."""
         embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
         batch = latents.shape[0]
         if embeds.shape[0] != batch or tuple(mask.shape) != tuple(embeds.shape[:2]):
@@ -403,7 +409,7 @@ class QwenImage(ModelFamily):
             dtype = model_dtype(transformer)
             latents, embeds = latents.to(dtype), embeds.to(dtype)
         out = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
-                          encoder_hidden_states_mask=mask, img_shapes=[[shared["img_shape"]]] * batch,
+                          encoder_hidden_states_mask=mask, img_shapes=[list(img_shapes)] * batch,
                           return_dict=False)[0]
         return out.float()
 
@@ -532,11 +538,11 @@ TINY_TEXT_KEY_GAIN = 1.5  # on the text keys' RMSNorm weights
 TINY_VOCAB_WORDS = 3000  # whole words of CLIP's BPE vocabulary the tiny tokenizer learns as single tokens
 
 
-def _tiny_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _tiny_vocab(templates: tuple[str, ...] = (PROMPT_TEMPLATE,)) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A small byte-level BPE in Qwen2's pre-tokenisation (its split regex + byte-level alphabet), trained by the
-    ``tokenizers`` library on the chat template and the first CLIP BPE whole words, so the template's system turn is
-    exactly the 34 tokens the pipeline drops (as with Qwen2.5's real vocabulary) and English words are one token
-    each. Deterministic: the same vocabulary and merges in every process. Special tokens follow, in Qwen's order."""
+    ``tokenizers`` library on the chat ``templates`` and the first CLIP BPE whole words, so a template's system turn
+    is exactly the tokens its pipeline drops (34 here, as with Qwen2.5's real vocabulary) and English words are one
+    token each. Deterministic: the same vocabulary and merges in every process. Special tokens follow, in Qwen's order."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers  # heavy
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # heavy
 
@@ -555,7 +561,7 @@ def _tiny_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=1 << 20, min_frequency=0, show_progress=False, special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([PROMPT_TEMPLATE.format("")] + [" " + w for w in words] + words, trainer)
+    bpe.train_from_iterator([t.format("") for t in templates] + [" " + w for w in words] + words, trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab = dict(model["vocab"])
     for special in SPECIAL_TOKENS:
@@ -563,12 +569,13 @@ def _tiny_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
 
 
-def save_tiny_tokenizer(out_dir: str | os.PathLike) -> Path:
-    """Write the tiny Qwen2 tokenizer (``Qwen2Tokenizer.from_pretrained`` loads it; the pipeline's template works)."""
+def save_tiny_tokenizer(out_dir: str | os.PathLike, templates: tuple[str, ...] = (PROMPT_TEMPLATE,)) -> Path:
+    """Write the tiny Qwen2 tokenizer (``Qwen2Tokenizer.from_pretrained`` loads it; the pipelines' ``templates``
+    split as with Qwen2.5's vocabulary)."""
     from tokenizers import AddedToken  # heavy
     from transformers import Qwen2Tokenizer  # heavy
 
-    vocab, merges = _tiny_vocab()
+    vocab, merges = _tiny_vocab(tuple(templates))
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
     tok.save_pretrained(Path(out_dir))

@@ -248,7 +248,7 @@ class SD3(ModelFamily):
     def max_sequence_length_limit(self) -> int:
         return MAX_T5_TOKENS
 
-    def text_tokens(self, max_sequence_length: int) -> int:
+    def text_tokens(self, max_sequence_length: int, condition: tuple[int, int] | None = None) -> int:
         return CLIP_TOKENS + int(max_sequence_length)
 
     # ------------------------------------------------------------------------------------------- latents
