@@ -450,15 +450,9 @@ def write_prompt_store(writer: EmbeddingWriter, *, device: torch.device, batch_s
                 with torch.no_grad():
                     if vae is None:
                         cond, t = family.encode_prompts(encoders, texts[i:i + batch_size], max_sequence_length=msl)
-                    else:  # an edit: the source (float32 VAE, as the pipelines' posterior mode) and its instruction
-                        ids = list(shard.ids)[i:i + batch_size]
-                        images = writer.sources.load(ids)
-                        cond, t = family.encode_edits(encoders, vae, images.to(device), texts[i:i + batch_size], msl)
-                        if len(writer.spec.shard_keys) > len(cond):  # the negative prompt with each source
-                            negative, _ = family.encode_edits(encoders, vae, images.to(device),
-                                                              [writer.spec.negative_prompt] * len(ids), msl)
-                            cond.update({f"negative_{k}": negative[k] for k in writer.spec.text_keys})
-                        edits.save_sources(writer.output_dir, ids, images)
+                    else:  # an edit: each source and its instruction (and the negative prompt with it)
+                        cond, t = edits.encode_batch(family, encoders, vae, writer, list(shard.ids)[i:i + batch_size],
+                                                     texts[i:i + batch_size], device)
                 for key in parts:
                     parts[key].append(cond[key].cpu())
                 truncated.extend(bool(x) for x in t)

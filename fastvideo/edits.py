@@ -158,6 +158,22 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
+def encode_batch(family: Any, encoders: Any, vae: Any, writer: Any, ids: list[int], prompts: list[str],
+                 device: Any) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """An edit store's rows for examples ``ids``: the family's ``encode_edits`` of each source (float32 VAE, as the
+    pipelines' posterior mode) and its instruction, plus the negative prompt's rows with each source where the
+    family's negative sees it (``negative_<key>``: the writer's ``shard_keys``); the sources saved to ``OUT/sources``."""
+    msl = writer.spec.max_sequence_length
+    images = writer.sources.load(ids)
+    cond, truncated = family.encode_edits(encoders, vae, images.to(device), prompts, msl)
+    if len(writer.spec.shard_keys) > len(cond):
+        negative, _ = family.encode_edits(encoders, vae, images.to(device), [writer.spec.negative_prompt] * len(ids),
+                                          msl)
+        cond.update({f"negative_{k}": negative[k] for k in writer.spec.text_keys})
+    save_sources(writer.output_dir, ids, images)
+    return cond, truncated
+
+
 def source_file(root: Path, example_id: int) -> Path:
     return root / SOURCES_DIR / f"{int(example_id):08d}.png"
 

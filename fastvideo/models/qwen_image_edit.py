@@ -30,7 +30,6 @@ import torch
 
 from fastvideo.models import qwen_image as qi
 from fastvideo.models.base import check_components, condition_geometry_of
-from fastvideo.models.common import LatentGeometry
 
 PIPELINE_CLASS = "QwenImageEditPipeline"
 SOURCE_KEY = "image_latents"  # the stored packed source latents (N, Ls, C): the pipeline's name for them
