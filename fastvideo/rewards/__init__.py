@@ -24,6 +24,11 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
                           colour, shape and count, and the motion; score = their mean; also logs
                           toyworld_motion_strict/_color/_shape/_count/_motion
   toyworld_motion_strict  (no weights) its strict check alone: 1 when every frame and the motion are right
+  toyworld_edit           (no weights) edits of toy-world scenes (fastvideo.toyworld.edit_world; an edit run: it
+                          compares each edit with its source): score = mean of the instruction check and the
+                          preservation check (nothing else changed); also logs toyworld_edit_strict/_instruction/_preserve
+  toyworld_edit_strict    (no weights) its strict check alone: 1 when the instruction is carried out and nothing else
+                          changed
   toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
                           score = mean of background fidelity, stray pixels and colour purity; also logs
                           toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
@@ -99,6 +104,9 @@ REWARDS: dict[str, BuiltinReward] = {
     "toyworld_motion": BuiltinReward("fastvideo.rewards.toyworld", "build_motion", prompt_check="check_motion_prompts"),
     "toyworld_motion_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_motion_strict",
                                             prompt_check="check_motion_prompts"),
+    "toyworld_edit": BuiltinReward("fastvideo.rewards.toyworld", "build_edit", prompt_check="check_edit_prompts"),
+    "toyworld_edit_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_edit_strict",
+                                          prompt_check="check_edit_prompts"),
 }
 # Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
 # build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
@@ -569,7 +577,8 @@ class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
                                    "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean, "
-                                   "toyworld_motion, toyworld_motion_strict; weight 0 "
+                                   "toyworld_motion, toyworld_motion_strict, toyworld_edit, toyworld_edit_strict; "
+                                   "weight 0 "
                                    "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
                                    "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "

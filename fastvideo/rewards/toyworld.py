@@ -12,6 +12,9 @@ for ``--eval_reward``, to watch a run that trains on ``toyworld`` for reward hac
 
 ``toyworld_motion`` / ``toyworld_motion_strict`` score videos of the toy world in time (``fastvideo.toyworld.motion``:
 "a red circle moving right"): every frame's colour, shape and count and the motion, on whole videos.
+
+``toyworld_edit`` / ``toyworld_edit_strict`` score edits of toy-world scenes (``fastvideo.toyworld.edit_world``: "make
+the red circle blue") against their sources: the instruction carried out, and nothing else changed.
 """
 from __future__ import annotations
 
@@ -20,11 +23,23 @@ from typing import Callable, Sequence
 import torch
 
 from fastvideo.toyworld.clean import clean_batch
+from fastvideo.toyworld.edit_world import GRAMMAR as EDIT_GRAMMAR
+from fastvideo.toyworld.edit_world import parse_edit, score_edits
 from fastvideo.toyworld.motion import GRAMMAR as MOTION_GRAMMAR
 from fastvideo.toyworld.motion import parse_motion_prompt
 from fastvideo.toyworld.motion import score_videos as score_motion
 from fastvideo.toyworld.scenes import GRAMMAR, parse_prompt
 from fastvideo.toyworld.verify import score_batch
+
+
+def _tensors(score: Callable[[], dict], reward: str, what: str) -> dict[str, torch.Tensor]:
+    """``score()``'s (B,) numpy scores as float32 tensors; its ValueError (a prompt outside the grammar) as one naming
+    ``reward`` and ``what`` it scores."""
+    try:
+        scores = score()
+    except ValueError as err:
+        raise ValueError(f"reward '{reward}' scores {what}: {err}") from None
+    return {key: torch.from_numpy(value).float() for key, value in scores.items()}
 
 
 class ToyWorldScorer:
@@ -34,12 +49,8 @@ class ToyWorldScorer:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        try:
-            scores = score_batch(images, prompts)
-        except ValueError as err:
-            raise ValueError(f"reward '{self.reward}' scores toy-world prompts only (fastvideo.toyworld.scenes."
-                             f"all_prompts() lists them; train on a prompts file written from them): {err}") from None
-        return {key: torch.from_numpy(value).float() for key, value in scores.items()}
+        return _tensors(lambda: score_batch(images, prompts), self.reward, "toy-world prompts only (fastvideo."
+                        "toyworld.scenes.all_prompts() lists them; train on a prompts file written from them)")
 
 
 class StrictScorer(ToyWorldScorer):
@@ -75,12 +86,8 @@ class MotionScorer:
 
     @torch.no_grad()
     def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        try:
-            scores = score_motion(videos, prompts)
-        except ValueError as err:
-            raise ValueError(f"reward '{self.reward}' scores toy-world motion prompts only "
-                             f"(fastvideo.toyworld.motion.all_motion_prompts()): {err}") from None
-        return {key: torch.from_numpy(value).float() for key, value in scores.items()}
+        return _tensors(lambda: score_motion(videos, prompts), self.reward,
+                        "toy-world motion prompts only (fastvideo.toyworld.motion.all_motion_prompts())")
 
 
 class MotionStrictScorer(MotionScorer):
@@ -90,6 +97,48 @@ class MotionStrictScorer(MotionScorer):
 
     def score_videos(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         return super().score_videos(videos, prompts)["strict"]
+
+
+class EditScorer:
+    """``toyworld_edit``: ``(edits (B,3,H,W) in [0,1], instructions, sources=(B,3,h,w)) -> {key: (B,) float32}`` for
+    ``edit_world.SCORE_KEYS`` (the instruction check, the preservation check, strict = both, score = their mean)."""
+
+    reward = "toyworld_edit"
+    takes_sources = needs_sources = True  # it compares each edit with its source (an edit run)
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
+        if sources is None:
+            raise ValueError(f"reward '{self.reward}' compares each edit with its source image: train an edit model "
+                             "on an edit store (docs/editing.md)")
+        return _tensors(lambda: score_edits(images, prompts, sources), self.reward,
+                        "toy edit instructions only (`python -m fastvideo.toyworld edits` writes edit files of them)")
+
+
+class EditStrictScorer(EditScorer):
+    """``toyworld_edit_strict``: 1 when the instruction is carried out and nothing else changed, else 0."""
+
+    reward = "toyworld_edit_strict"
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], sources: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        return super().__call__(images, prompts, sources)["strict"]
+
+
+def check_edit_prompts(prompts: Sequence[str], reward: str = "toyworld_edit") -> None:
+    """ValueError listing (up to 3 of) the instructions outside the toy edit grammar, with their line numbers."""
+    _refuse_unparsed(prompts, parse_edit, reward, "toy edit", f"follow the grammar: {EDIT_GRAMMAR}")
+
+
+def build_edit(device: torch.device, **_: object) -> EditScorer:
+    """Registry factory for ``toyworld_edit`` (CPU pixel analysis of each edit and its source)."""
+    return EditScorer()
+
+
+def build_edit_strict(device: torch.device, **_: object) -> EditStrictScorer:
+    """Registry factory for ``toyworld_edit_strict``."""
+    return EditStrictScorer()
 
 
 def check_motion_prompts(prompts: Sequence[str], reward: str = "toyworld_motion") -> None:

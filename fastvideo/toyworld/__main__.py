@@ -1,7 +1,7 @@
-"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures,build-video,pretrain-video,motion-prompts}``: the toy
-FLUX from the shipped weights or trained from scratch, the prompt splits as files, what the verifier's failures are in
-sample.py's output folders; the toy Wan of the toy world in time (shipped or trained from scratch) and its prompt
-splits."""
+"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures,build-video,pretrain-video,motion-prompts,edits}``:
+the toy FLUX from the shipped weights or trained from scratch, the prompt splits as files, what the verifier's
+failures are in sample.py's output folders; the toy Wan of the toy world in time (shipped or trained from scratch) and
+its prompt splits; edit files of the toy edit world."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastvideo.toyworld.edit_world import write_edit_file
 from fastvideo.toyworld.motion import write_motion_prompt_files
 from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
 from fastvideo.toyworld.pretrain_video import VideoPretrainConfig
@@ -123,6 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("motion-prompts", help="write the toy world in time's motion_train.txt / motion_heldout.txt "
                        "(grammar order)")
     p.add_argument("--out", required=True, help="output folder")
+    p = sub.add_parser("edits", help="write train.jsonl / heldout.jsonl edit files of the toy edit world (sources, "
+                       "instructions, ground-truth edits) for preprocess_embeddings.py --edit_file")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--train", type=int, default=1024, help="training examples (default 1024)")
+    p.add_argument("--heldout", type=int, default=256, help="held-out examples (default 256)")
+    p.add_argument("--size", type=int, default=32, help="image side in px, 32..64 (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scenes (default 0)")
     p = sub.add_parser("failures", help="the share of right images and of each failure mode (colour swap, shape "
                        "swap, count swap, relation flipped, other) in sample.py output folders")
     p.add_argument("folders", nargs="+", type=Path, help="sample.py --output_dir folders (index.jsonl + images)")
@@ -139,6 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "prompts":
         for name, path in write_prompt_files(args.out, args.seed).items():
             print(f"{name}: {path} ({len(path.read_text().splitlines())} prompts)")
+        return
+    if args.command == "edits":
+        for split in ("train", "heldout"):
+            try:
+                path = write_edit_file(args.out, split, getattr(args, split), args.size, args.seed)
+            except ValueError as err:
+                sys.exit(f"--size {args.size}: {err}")
+            print(f"{split}: {path} ({len(path.read_text().splitlines())} edits)")
         return
     if args.command == "motion-prompts":
         for name, path in write_motion_prompt_files(args.out).items():
