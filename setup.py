@@ -6,8 +6,9 @@ setup(
     version="0.1.0",
     description="GRPO, Diffusion-DPO and DiffusionNFT post-training for FLUX flow-matching models",
     packages=find_packages(include=["fastvideo", "fastvideo.*"]),
-    # the pretrained toy FLUX (weights/) and toy Wan (weights_video/)
-    package_data={"fastvideo.toyworld": ["weights/*.json", "weights/*/*", "weights_video/*.json", "weights_video/*/*"]},
+    # the pretrained toy FLUX (weights/), toy Wan (weights_video/) and toy Kontext (weights_edit/)
+    package_data={"fastvideo.toyworld": ["weights/*.json", "weights/*/*", "weights_video/*.json", "weights_video/*/*",
+                                         "weights_edit/*.json", "weights_edit/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6,<=2.14.1",

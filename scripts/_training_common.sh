@@ -3,11 +3,11 @@
 PYTHON=${PYTHON:-python}
 DATA_DIR=${DATA_DIR:-data}
 # without MODEL_PATH: toyworld (prompt following on the toy world) | jpeg (tiny FLUX, JPEG size) | video (motion
-# prompts on the toy world in time, GRPO only)
+# prompts on the toy world in time, GRPO only) | edit (the toy edit world, GRPO only)
 DEMO=${DEMO:-toyworld}
 case "$DEMO" in
-  toyworld|jpeg|video) ;;
-  *) echo "DEMO=$DEMO: choose DEMO=toyworld (default), DEMO=jpeg or DEMO=video (GRPO)" >&2; exit 1 ;;
+  toyworld|jpeg|video|edit) ;;
+  *) echo "DEMO=$DEMO: choose DEMO=toyworld (default), DEMO=jpeg, DEMO=video or DEMO=edit (GRPO)" >&2; exit 1 ;;
 esac
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -90,10 +90,41 @@ toy_video_data() {
             --data_json_path "$DATA_JSON" --eval_prompts "$EVAL_JSON")
 }
 
+# The toy edit world (DEMO=edit, no MODEL_PATH): the pretrained toy Kontext (from the shipped weights; TOY_PRETRAIN=1
+# fine-tunes it from the toy FLUX), the edit files of the train / held-out (edit, object) combinations and their
+# embeddings, each built in DATA_DIR if absent. Sets MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE and TOY_ARGS
+# (scripts/demos/toyworld_edit.yaml, the model and the edits).
+toy_edit_data() {
+  MODEL=$DATA_DIR/toy-kontext
+  NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+  if [ ! -f "$MODEL/model_index.json" ]; then
+    if [ "${TOY_PRETRAIN:-0}" = 1 ]; then
+      "$PYTHON" -m fastvideo.toyworld pretrain-edit --out "$MODEL"
+    else
+      "$PYTHON" -m fastvideo.toyworld build-edit --out "$MODEL"
+    fi
+  fi
+  local edits=$DATA_DIR/toyworld-edits
+  if [ ! -f "$edits/heldout.jsonl" ]; then
+    "$PYTHON" -m fastvideo.toyworld edits --out "$edits" --train 1024 --heldout 128
+  fi
+  for split in train heldout; do
+    if [ ! -f "$DATA_DIR/toyworld-edit-$split/manifest.json" ]; then
+      OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PYTHON" preprocess_embeddings.py --model_path "$MODEL" \
+        --edit_file "$edits/$split.jsonl" --output_dir "$DATA_DIR/toyworld-edit-$split" --max_sequence_length 16 \
+        --device cpu
+    fi
+  done
+  DATA_JSON=${DATA_JSON:-$DATA_DIR/toyworld-edit-train/manifest.json}
+  EVAL_JSON=${EVAL_JSON:-$DATA_DIR/toyworld-edit-heldout/manifest.json}
+  TOY_ARGS=(--config scripts/demos/toyworld_edit.yaml --pretrained_model_name_or_path "$MODEL"
+            --data_json_path "$DATA_JSON" --eval_prompts "$EVAL_JSON")
+}
+
 # GRPO-only demos stop here in the other launchers (call with the launcher's name).
 grpo_only_demo() {
-  if [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = video ]; then
-    echo "DEMO=video is a GRPO demo: run DEMO=video bash scripts/finetune_flux_grpo.sh ($1 has no video demo)" >&2
+  if [ -z "${MODEL_PATH:-}" ] && { [ "$DEMO" = video ] || [ "$DEMO" = edit ]; }; then
+    echo "DEMO=$DEMO is a GRPO demo: run DEMO=$DEMO bash scripts/finetune_flux_grpo.sh ($1 has no $DEMO demo)" >&2
     exit 1
   fi
 }

@@ -3,6 +3,7 @@
 #   bash scripts/finetune_flux_grpo.sh                 # toy-world demo: prompt following of the toy FLUX, CPU
 #   DEMO=jpeg bash scripts/finetune_flux_grpo.sh       # the tiny FLUX made JPEG-compressible, CPU, a few minutes
 #   DEMO=video bash scripts/finetune_flux_grpo.sh      # toy-world video demo: motion prompts of the toy Wan, CPU
+#   DEMO=edit bash scripts/finetune_flux_grpo.sh       # toy edit world demo: the toy Kontext's edits, CPU
 #   MODEL_PATH=/models/FLUX.1-dev HPS_CHECKPOINT=/models/HPS_v2.1_compressed.pt \
 #     bash scripts/finetune_flux_grpo.sh [--flag value ...]   # DanceGRPO's 8-GPU FLUX recipe; any flag overridable
 #   RECIPE=scripts/recipes/flow_grpo.yaml MODEL_PATH=... bash scripts/finetune_flux_grpo.sh   # another recipe
@@ -13,7 +14,7 @@
 #      scripts/slurm_finetune_flux.sbatch), SHUTDOWN_TIMEOUT (900: seconds torchrun gives its workers after a
 #      SIGTERM to finish the step and checkpoint, as TORCH_ELASTIC_SHUTDOWN_TIMEOUT),
 #      PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True unless it or PYTORCH_ALLOC_CONF is set),
-#      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg | video),
+#      PYTHON (python), HPS_CHECKPOINT (real runs), DEMO (toyworld | jpeg | video | edit),
 #      TOY_PRETRAIN (1: pretrain the toy FLUX / toy Wan from scratch instead of building it from the shipped weights),
 #      EVAL_JSON (toy world: held-out embeddings manifest), RECIPE (with MODEL_PATH: the --config recipe, default
 #      the model family's: FLUX.1 scripts/recipes/dancegrpo_hps.yaml; paths are relative to the repository root).
@@ -44,6 +45,15 @@ elif [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = video ]; then
   toy_video_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
   OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo-toyworld-video}
   set -- "${TOY_ARGS[@]}" --config scripts/demos/grpo_toyworld_video.yaml --output_dir "$OUTPUT_DIR" \
+    --resume_from latest "$@"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+elif [ -z "${MODEL_PATH:-}" ] && [ "$DEMO" = edit ]; then
+  # DEMO=edit: GRPO of the pretrained toy Kontext on the toy edit world's training edits with the verifiable
+  # toyworld_edit reward, held-out edits evaluated as it trains; the values with their reasons:
+  # scripts/demos/toyworld_edit.yaml + grpo_toyworld_edit.yaml (docs/editing.md)
+  toy_edit_data  # MODEL, DATA_JSON, EVAL_JSON, NPROC_PER_NODE, TOY_ARGS; built in DATA_DIR if absent
+  OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo-toyworld-edit}
+  set -- "${TOY_ARGS[@]}" --config scripts/demos/grpo_toyworld_edit.yaml --output_dir "$OUTPUT_DIR" \
     --resume_from latest "$@"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 elif [ -z "${MODEL_PATH:-}" ]; then

@@ -71,9 +71,10 @@ def test_ground_truth_passes_and_the_unchanged_source_fails(size):
     assert unchanged["instruction"].max() == 0.0 and unchanged["strict"].max() == 0.0
 
 
-def _corrupt(example: ew.EditExample, how: str) -> np.ndarray:
+def _corrupt(example: ew.EditExample, how: str) -> np.ndarray | None:
     """The ground truth with one corruption: another object than the named one edited instead, another object moved
-    or removed besides the edit, an object added besides it, or a move / add to the other side of the anchor."""
+    or removed besides the edit, an object added besides it, or a move / add to the other side of the anchor (None
+    where the scene leaves no room for it)."""
     spec = ew.parse_edit(example.instruction)
     size, target = example.size, list(example.target)
     other = next(o for o in example.source if (o.color, o.shape) not in (spec.obj, spec.anchor))
@@ -84,14 +85,18 @@ def _corrupt(example: ew.EditExample, how: str) -> np.ndarray:
         return scenes.draw([o for o in target if o != other], size)
     if how == "extra object":  # a second object of another object's colour (every colour may be in use)
         shape = next(s for s in scenes.SHAPES if s != other.shape)
-        spot = ew._free_place(np.random.default_rng(0), shape, 8, target, size)
-        return scenes.draw(target + [scenes.PlacedObject(0, other.color, shape, spot[0], spot[1], 8)], size)
+        spot = ew._free_place(np.random.default_rng(0), shape, 7, target, size)
+        if spot is None:
+            return None
+        return scenes.draw(target + [scenes.PlacedObject(0, other.color, shape, spot[0], spot[1], 7)], size)
     assert how == "wrong side"
     flipped = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}[spec.relation]
     anchor = next(o for o in example.source if (o.color, o.shape) == spec.anchor)
     moved = next(o for o in target if (o.color, o.shape) == spec.obj)
     rest = [o for o in target if o != moved]
     spot = ew._free_place(np.random.default_rng(0), moved.shape, moved.side, rest, size, flipped, anchor)
+    if spot is None:
+        return None
     return scenes.draw(rest + [dataclasses.replace(moved, x=spot[0], y=spot[1])], size)
 
 
@@ -103,8 +108,13 @@ def test_each_corruption_fails_the_strict_check(how, fails):
     leaving its own in place (also a failure of both checks)."""
     candidates = [e for e in ew.examples("train", 400) if len(e.source) == 3]
     kinds = ("move", "add") if how == "wrong side" else ew.EDIT_KINDS
-    chosen = [next(e for e in candidates if ew.parse_edit(e.instruction).kind == kind) for kind in kinds]
-    edits = np.stack([_corrupt(e, how) for e in chosen])
+    chosen, edits = [], []
+    for kind in kinds:  # the first example of each kind that has room for the corruption
+        example, corrupted = next((e, c) for e in candidates if ew.parse_edit(e.instruction).kind == kind
+                                  and (c := _corrupt(e, how)) is not None)
+        chosen.append(example)
+        edits.append(corrupted)
+    edits = np.stack(edits)
     scores = ew.score_edits(edits, [e.instruction for e in chosen], np.stack([e.images()[0] for e in chosen]))
     assert scores["strict"].max() == 0.0, (how, scores)
     for key in ("instruction", "preserve"):  # the corrupted check fails on every kind, the other still passes

@@ -1,7 +1,8 @@
-"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures,build-video,pretrain-video,motion-prompts,edits}``:
-the toy FLUX from the shipped weights or trained from scratch, the prompt splits as files, what the verifier's
-failures are in sample.py's output folders; the toy Wan of the toy world in time (shipped or trained from scratch) and
-its prompt splits; edit files of the toy edit world."""
+"""``python -m fastvideo.toyworld {build,pretrain,prompts,failures,build-video,pretrain-video,motion-prompts,edits,
+build-edit,pretrain-edit}``: the toy FLUX from the shipped weights or trained from scratch, the prompt splits as files,
+what the verifier's failures are in sample.py's output folders; the toy Wan of the toy world in time (shipped or
+trained from scratch) and its prompt splits; the toy edit world's edit files and its toy Kontext (shipped or trained
+from the toy FLUX)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,9 @@ import numpy as np
 
 from fastvideo.toyworld.edit_world import write_edit_file
 from fastvideo.toyworld.motion import write_motion_prompt_files
+from fastvideo.toyworld.pretrain_edit import EditPretrainConfig
+from fastvideo.toyworld.pretrain_edit import build_from_shipped as build_edit_from_shipped
+from fastvideo.toyworld.pretrain_edit import pretrain as pretrain_edit
 from fastvideo.toyworld.pretrain import EVAL_FILE, PretrainConfig, build_from_shipped, pretrain
 from fastvideo.toyworld.pretrain_video import VideoPretrainConfig
 from fastvideo.toyworld.pretrain_video import build_from_shipped as build_video_from_shipped
@@ -32,6 +36,10 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
                        "(fastvideo.toyworld.motion) from scratch (~17 min on 2 cores)")
     p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
     _config_flags(p, VideoPretrainConfig)
+    p = sub.add_parser("pretrain-edit", help="fine-tune the toy FLUX into a toy FLUX.1-Kontext on the toy edit world "
+                       "(~9 min on 2 cores)")
+    p.add_argument("--out", required=True, help="output FluxKontextPipeline folder (must not exist or be empty)")
+    _config_flags(p, EditPretrainConfig)
 
 
 def _config_flags(p: argparse.ArgumentParser, config: type) -> None:
@@ -114,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="write the toy FLUX folder from the shipped pretrained weights (seconds)")
     p.add_argument("--out", required=True, help="output FLUX folder (must not exist or be empty)")
+    p = sub.add_parser("build-edit", help="write the toy Kontext folder (the toy edit world) from the shipped "
+                       "pretrained weights (seconds)")
+    p.add_argument("--out", required=True, help="output FluxKontextPipeline folder (must not exist or be empty)")
     p = sub.add_parser("build-video", help="write the toy Wan folder (the toy world in time) from the shipped "
                        "pretrained weights (seconds)")
     p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
@@ -168,16 +179,25 @@ def main(argv: list[str] | None = None) -> None:
         path = build_from_shipped(out)
         print(f"toy FLUX: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
         return
+    if args.command == "build-edit":
+        path = build_edit_from_shipped(out)
+        print(f"toy Kontext: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+        return
     if args.command == "build-video":
         path = build_video_from_shipped(out)
         print(f"toy Wan: {path} (shipped weights)\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
         return
-    config = VideoPretrainConfig if args.command == "pretrain-video" else PretrainConfig
+    config = {"pretrain-video": VideoPretrainConfig, "pretrain-edit": EditPretrainConfig}.get(args.command,
+                                                                                             PretrainConfig)
     fields = {f.name for f in dataclasses.fields(config)}
     try:
         cfg = config(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as err:
         sys.exit(str(err))
+    if args.command == "pretrain-edit":
+        path = pretrain_edit(out, cfg, log=lambda msg: print(msg, flush=True))
+        print(f"toy Kontext: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
+        return
     if args.command == "pretrain-video":
         path = pretrain_video(out, cfg, log=lambda msg: print(msg, flush=True))
         print(f"toy Wan: {path}\neval: {json.dumps(json.loads((path / EVAL_FILE).read_text()))}")
