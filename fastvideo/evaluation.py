@@ -23,7 +23,7 @@ from fastvideo import models, weights
 from fastvideo.data import MANIFEST_NAME, atomic_write_text, is_manifest, open_prompt_store, write_prompt_store
 from fastvideo.options import need, opt
 from fastvideo.record import read_jsonl
-from fastvideo.rewards import check_url_reward_flags, parse_eval_reward_spec, parse_reward_spec
+from fastvideo.rewards import WATCH_KEYS, check_url_reward_flags, parse_eval_reward_spec, parse_reward_spec
 from fastvideo.rollout import VIDEO_SAMPLER_FLAGS, RolloutConfig, rollout
 
 # two-sided 95% Student-t quantiles t(0.975, df) for df = 1..30 (beyond: the normal 1.96)
@@ -158,9 +158,10 @@ def eval_metrics(summary: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def extra_scores(rewards: dict[str, torch.Tensor], taken: Any = ()) -> dict[str, torch.Tensor]:
     """The entries of an --eval_reward RewardFn's result that are logged: each reward (``<name>``) and its checks
-    (``<name>_<key>``), without its weighted "total" (the extras are watched one by one, never summed). ValueError if
-    one would overwrite a name in ``taken`` (--reward's entries)."""
-    extra = {k: v for k, v in rewards.items() if k != "total"}
+    (``<name>_<key>``), without its weighted "total" (the extras are watched one by one, never summed) and the
+    watches both RewardFns add (``WATCH_KEYS``: --reward's are the same numbers). ValueError if one would overwrite a
+    name in ``taken`` (--reward's entries)."""
+    extra = {k: v for k, v in rewards.items() if k != "total" and k not in WATCH_KEYS}
     clash = sorted(set(extra) & set(taken))
     if clash:
         raise ValueError(f"--eval_reward's {clash} would overwrite --reward's entries of the same names; drop those "

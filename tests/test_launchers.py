@@ -106,11 +106,13 @@ def test_launchers_refuse_an_unknown_demo(tmp_path, demo_data_dir):
     for script in LAUNCHERS:
         proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="jpg"),
                               capture_output=True, text=True, timeout=60)
-        assert proc.returncode != 0 and "DEMO=toyworld (default), DEMO=jpeg or DEMO=video (GRPO)" in proc.stderr
-    for script in ("scripts/finetune_flux_dpo.sh", "scripts/finetune_flux_nft.sh"):  # the video demo is GRPO's
-        proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO="video"),
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode != 0 and "DEMO=video bash scripts/finetune_flux_grpo.sh" in proc.stderr
+        assert proc.returncode != 0 and "DEMO=toyworld (default), DEMO=jpeg, DEMO=video or DEMO=edit (GRPO)" in \
+            proc.stderr
+    for script in ("scripts/finetune_flux_dpo.sh", "scripts/finetune_flux_nft.sh"):  # the video and edit demos: GRPO's
+        for demo in ("video", "edit"):
+            proc = subprocess.run(["bash", script], cwd=REPO, env=_demo_env(tmp_path, demo_data_dir, DEMO=demo),
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode != 0 and f"DEMO={demo} bash scripts/finetune_flux_grpo.sh" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

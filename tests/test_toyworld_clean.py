@@ -168,6 +168,11 @@ def test_eval_metric_names_cannot_collide():
     assert not set(logged) & set(eval_metrics(reward_summary(main, ids)))
     with pytest.raises(ValueError, match="would overwrite --reward's entries"):
         extra_scores({"total": torch.rand(4), "toyworld": torch.rand(4)}, main)
+    # an edit or video run: both RewardFns add the watch (source_distance / frame_change), the same numbers; it is
+    # logged once, with --reward's (the edit demo's --eval_reward toyworld_clean stopped on this clash)
+    watched = {**main, "source_distance": torch.rand(4)}
+    assert set(extra_scores({**extra, "source_distance": watched["source_distance"]}, watched)) == {
+        "toyworld_clean", "toyworld_clean_stray"}
 
 
 def test_bad_eval_reward_specs_name_the_fix(tmp_path):

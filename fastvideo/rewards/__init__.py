@@ -108,6 +108,9 @@ REWARDS: dict[str, BuiltinReward] = {
     "toyworld_edit_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_edit_strict",
                                           prompt_check="check_edit_prompts"),
 }
+# What every RewardFn result adds beside the rewards, logged and never trained on: a video's frame-to-frame change
+# (``score_video``) and an edit's distance from its source (``score_edits``).
+WATCH_KEYS: tuple[str, ...] = ("frame_change", "source_distance")
 # Rewards scored over HTTP: family -> (module, factory, the build_reward options it takes); each factory is
 # build(url, device, **options) -> Scorer, url as written in the spec (replicas joined by "|").
 _URL_REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
