@@ -160,7 +160,7 @@ class StoreSpec:
 
     @property
     def shard_keys(self) -> tuple[str, ...]:
-        """The tensors of a shard: the embedding keys, and ``negative_<key>`` rows where the negative sees the source."""
+        """A shard's tensors: the embedding keys, and ``negative_<key>`` rows where the negative sees the source."""
         per_example = self.negative_sees_source and self.negative_prompt is not None
         return self.embedding_keys + (tuple(f"negative_{k}" for k in self.text_keys) if per_example else ())
 
@@ -402,8 +402,8 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
         sources = edits.EditSources.open(edit_file, edit_size)
         prompts, prompt_file = sources.prompts, edit_file
     elif edit_file is not None:
-        raise ValueError(f"--edit_file needs an edit model family (flux-kontext, qwen-image-edit); {model_path} is {family.name}: pass "
-                         "--prompt_file, or an edit model (docs/editing.md)")
+        raise ValueError(f"--edit_file needs an edit model family (flux-kontext, qwen-image-edit); {model_path} is "
+                         f"{family.name}: pass --prompt_file, or an edit model (docs/editing.md)")
     else:
         prompts = read_prompt_file(prompt_file)
     needed = family.text_components + (("vae",) if family.edit else ())
@@ -662,6 +662,9 @@ class EmbeddingDataset:
         kept (every ``get_batch`` of a --cfg_scale run needs them)."""
         if self._negative is None:
             info = self.manifest.get("negative")
+            if info and info.get("per_example"):
+                raise ValueError(f"{self.root} keeps a negative row per example in its shards (an edit family whose "
+                                 "negative prompt sees the source): read them with use(family, negative=True)")
             if not info:
                 raise ValueError(f"{self.root} holds no negative prompt; re-run preprocess_embeddings.py with "
                                  "--negative_prompt")

@@ -162,7 +162,8 @@ def encode_batch(family: Any, encoders: Any, vae: Any, writer: Any, ids: list[in
                  device: Any) -> tuple[dict[str, torch.Tensor], list[bool]]:
     """An edit store's rows for examples ``ids``: the family's ``encode_edits`` of each source (float32 VAE, as the
     pipelines' posterior mode) and its instruction, plus the negative prompt's rows with each source where the
-    family's negative sees it (``negative_<key>``: the writer's ``shard_keys``); the sources saved to ``OUT/sources``."""
+    family's negative sees it (``negative_<key>``: the writer's ``shard_keys``); the sources saved to
+    ``OUT/sources``."""
     msl = writer.spec.max_sequence_length
     images = writer.sources.load(ids)
     cond, truncated = family.encode_edits(encoders, vae, images.to(device), prompts, msl)
