@@ -41,20 +41,26 @@ def write_edits(root: Path, n: int = len(INSTRUCTIONS), size: tuple[int, int] = 
     return root / "pairs.jsonl"
 
 
-@pytest.fixture(scope="module")
-def kontext(tmp_path_factory) -> dict:
-    """The tiny Kontext folder and its edit store (6 edits in shards of 2, negative prompt ""), written in this process
-    by preprocess_embeddings.py's two calls (the ranks' sharding is family-free: tests/test_preprocess.py)."""
+def edit_store(root: Path, build_tiny, negative_prompt: str) -> dict:
+    """A tiny edit model folder (``build_tiny``, seed 0) and its edit store of ``write_edits`` (6 edits in shards of 2,
+    with ``negative_prompt``), written in this process by preprocess_embeddings.py's two calls (the ranks' sharding is
+    family-free: tests/test_preprocess.py)."""
     from fastvideo.data import open_prompt_store, write_prompt_store
-    from fastvideo.models.flux_kontext import build_tiny
 
-    root = tmp_path_factory.mktemp("edits")
     model = build_tiny(root / "model", seed=0)
     pairs = write_edits(root)
     writer = open_prompt_store(None, model, root / "store", edit_file=pairs, max_sequence_length=MSL, shard_size=2,
-                               negative_prompt="")
+                               negative_prompt=negative_prompt)
     write_prompt_store(writer, device=torch.device("cpu"))
     return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory) -> dict:
+    """The tiny Kontext folder and its edit store (negative prompt "")."""
+    from fastvideo.models.flux_kontext import build_tiny
+
+    return edit_store(tmp_path_factory.mktemp("edits"), build_tiny, "")
 
 
 def test_preprocessing_stores_what_encode_edits_gives(kontext):
@@ -281,17 +287,10 @@ def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit
 @pytest.fixture(scope="module")
 def qwen_edit(tmp_path_factory) -> dict:
-    """The tiny Qwen-Image-Edit folder and its edit store (6 edits, negative prompt " " encoded with each source)."""
-    from fastvideo.data import open_prompt_store, write_prompt_store
+    """The tiny Qwen-Image-Edit folder and its edit store (negative prompt " ", encoded with each source)."""
     from fastvideo.models.qwen_image_edit import build_tiny
 
-    root = tmp_path_factory.mktemp("qwen-edits")
-    model = build_tiny(root / "model", seed=0)
-    pairs = write_edits(root)
-    writer = open_prompt_store(None, model, root / "store", edit_file=pairs, max_sequence_length=MSL, shard_size=2,
-                               negative_prompt=" ")
-    write_prompt_store(writer, device=torch.device("cpu"))
-    return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
+    return edit_store(tmp_path_factory.mktemp("qwen-edits"), build_tiny, " ")
 
 
 def _qwen_edit(model: Path, lora: Path | None, source: Image.Image, **call) -> torch.Tensor:
