@@ -37,7 +37,7 @@ def _pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output WanPipeline folder (must not exist or be empty)")
     _config_flags(p, VideoPretrainConfig)
     p = sub.add_parser("pretrain-edit", help="fine-tune the toy FLUX into a toy FLUX.1-Kontext on the toy edit world "
-                       "(~9 min on 2 cores)")
+                       "(~17 min on 2 cores)")
     p.add_argument("--out", required=True, help="output FluxKontextPipeline folder (must not exist or be empty)")
     _config_flags(p, EditPretrainConfig)
 

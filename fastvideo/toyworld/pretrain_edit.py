@@ -54,7 +54,7 @@ class EditPretrainConfig:
     vae_batch: int = 32
     vae_lr: float = 1e-3
     vae_object_weight: float = 10.0  # extra loss weight on object pixels and their 1-px ring
-    steps: int = 3000  # transformer optimizer steps
+    steps: int = 6000  # transformer optimizer steps (the loss still falls at 3000: held-out strict 0.30 there)
     batch: int = 32
     lr: float = 1e-3
     warmup: int = 100
