@@ -328,8 +328,13 @@ def check_parallel_inputs(args: argparse.Namespace) -> None:
     model = Path(args.pretrained_model_name_or_path)
     family = models.family_for(args)
     config = json.loads((family.transformer_folder(model) / "config.json").read_text())
-    geometry = models.geometry_for(family, model, args.h, args.w, getattr(args, "num_frames", None))
-    parallel.check_sequence_parallel(args.sp_size, config["num_attention_heads"], geometry.seq_len)
+    from fastvideo.memory import condition_size  # an edit store's source size, as the planner reads it
+
+    geometry = models.geometry_for(family, model, args.h, args.w, getattr(args, "num_frames", None),
+                                   condition=condition_size(args, family))
+    # an edit's source tokens join the split sequence
+    parallel.check_sequence_parallel(args.sp_size, config["num_attention_heads"],
+                                     geometry.seq_len + getattr(geometry, "condition_tokens", 0))
 
 
 def check_model_inputs(args: argparse.Namespace) -> None:
@@ -359,7 +364,7 @@ def validate_common(args: argparse.Namespace) -> None:
     family = models.family_for(args)  # --model_family: ValueError naming the choices, before anything reads the folder
     need(args.sp_size == 1 or family.sequence_parallel,
          f"--sp_size {args.sp_size}: sequence parallelism is not implemented for the {family.name} "
-         "family (FLUX.1 has it); run it with --sp_size 1 and shard with FSDP")
+         "family (FLUX.1, FLUX.1-Kontext and Wan have it); run it with --sp_size 1 and shard with FSDP")
     fill_family_sampling(args)  # unset --h/--w/--sampling_steps/--cfg_scale/--guidance_scale: the family's defaults
     dry_run = args.dry_run  # a plan needs no embeddings (512 text tokens are assumed)
     need(args.data_json_path is not None or dry_run,

@@ -255,7 +255,7 @@ class EmbeddingWriter:
         if not path.is_file():
             return False
         header = self._shard_header(path)
-        if self.sources is not None and not all(edits.source_file(self.output_dir, i).is_file() for i in shard.ids):
+        if self.sources is not None and not edits.sources_written(self.output_dir, shard.ids, self.sources.count):
             return False
         return all(header.get(k) == v for k, v in self._expected_header(shard).items())
 
@@ -371,11 +371,10 @@ class EmbeddingWriter:
                 else {"prompt": self.spec.negative_prompt, "file": NEGATIVE_FILE}),
             "prompt_file": self.prompt_file,
             "condition_keys": list(self.spec.condition_keys),
-            "edit": None if self.sources is None else {"file": self.sources.file, "height": self.sources.height,
-                                                       "width": self.sources.width, "sources": edits.SOURCES_DIR},
+            "edit": None if self.sources is None else self.sources.manifest_entry(),
             "shards": [{"file": s.file, "first_id": s.first_id, "num_prompts": s.num_prompts} for s in self.shards],
             "prompts": [{"id": i, "prompt": p, "truncated": i in truncated,
-                         **({"image": str(self.sources.examples[i].image)} if self.sources else {})}
+                         **(self.sources.prompt_entry(i) if self.sources else {})}
                         for i, p in enumerate(self.prompts)],
         }
         atomic_write_text(self.output_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
@@ -400,6 +399,10 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
             raise ValueError(f"the {family.name} family edits a source image: pass --edit_file pairs.jsonl "
                              "({\"image\": ..., \"prompt\": ...} per line) instead of --prompt_file (docs/editing.md)")
         sources = edits.EditSources.open(edit_file, edit_size)
+        if sources.count > 1 and not family.multi_source:
+            raise ValueError(f"--edit_file {edit_file} names {sources.count} source images per edit, but the "
+                             f"{family.name} family takes one: write one \"image\" per line, or use a model that "
+                             "takes several (qwen-image-edit-plus, docs/editing.md)")
         prompts, prompt_file = sources.prompts, edit_file
     elif edit_file is not None:
         raise ValueError(f"--edit_file needs an edit model family (flux-kontext, qwen-image-edit); {model_path} is "
@@ -413,7 +416,7 @@ def open_prompt_store(prompt_file: str | os.PathLike | None, model_path: str | o
             check_weight_files(model_path / component)
     if sources is not None:  # the size the family's VAE and packing take, before anything loads
         models.geometry_for(family, model_path, family.defaults.height, family.defaults.width,
-                            condition=(sources.height, sources.width))
+                            condition=sources.condition)
     limit = family.max_sequence_length_limit()
     if not 1 <= max_sequence_length <= limit:
         raise ValueError(f"--max_sequence_length must be in [1, {limit}] (the {family.name} text encoder's limit), "
@@ -587,10 +590,10 @@ class EmbeddingDataset:
         return DTYPES[self.manifest["dtype"]]
 
     @property
-    def condition_size(self) -> tuple[int, int] | None:
-        """An edit store's source size (height, width) (``models.geometry_for(..., condition=)``); None: prompts."""
-        edit = self.manifest.get("edit")
-        return None if not edit else (int(edit["height"]), int(edit["width"]))
+    def condition_size(self) -> tuple[int, ...] | None:
+        """An edit store's source size (height, width), with the sources per edit when several ((height, width,
+        count)): ``models.geometry_for(..., condition=)``; None: prompts."""
+        return edits.condition_of(self.manifest.get("edit"))
 
     @property
     def source_paths(self) -> list[str] | None:

@@ -412,7 +412,7 @@ def _text_tokens(args: argparse.Namespace, family: Any) -> int:
             length = EmbeddingDataset(args.data_json_path).max_sequence_length
     except FileNotFoundError:  # a plan may be made before preprocessing
         pass
-    return family.text_tokens(length, condition=_condition_size(args, family))
+    return family.text_tokens(length, condition=condition_size(args, family))
 
 
 def _shard_size(strategy: str, world: int) -> int:
@@ -492,7 +492,7 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     offload = args.use_cpu_offload and sharded and device_type != "cpu"
     sync = resolve_gradient_sync(args.gradient_sync, is_lora)
     geometry = models.geometry_for(family, args.pretrained_model_name_or_path, args.h, args.w,
-                                   getattr(args, "num_frames", None), condition=_condition_size(args, family))
+                                   getattr(args, "num_frames", None), condition=condition_size(args, family))
     L, T, B, C = geometry.seq_len, _text_tokens(args, family), samples, geometry.packed_channels
     Lc = getattr(geometry, "condition_tokens", 0)  # an edit's source tokens: they join every forward's sequence
     S = args.sampling_steps
@@ -630,9 +630,12 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
     return MemoryPlan(items, facts, errors + warnings_)
 
 
-def _condition_size(args: Any, family: Any) -> tuple[int, int] | None:
-    """An edit run's source size (height, width): from --data_json_path's manifest when it is there, else the size the
-    family's pipeline resizes a source of the target's shape to (``default_condition_size``); None: no edit run."""
+def condition_size(args: Any, family: Any) -> tuple[int, ...] | None:
+    """An edit run's source size (height, width[, sources per edit]): from --data_json_path's manifest when it is
+    there, else the size the family's pipeline resizes a source of the target's shape to (``default_condition_size``);
+    None: no edit run."""
+    from fastvideo import edits
+
     if not family.edit:
         return None
     if not getattr(args, "data_json_path", None):
@@ -643,7 +646,7 @@ def _condition_size(args: Any, family: Any) -> tuple[int, int] | None:
         edit = json.loads(manifest.read_text()).get("edit") if manifest.is_file() else None
     except (OSError, ValueError, AttributeError):
         return None
-    return ((int(edit["height"]), int(edit["width"])) if isinstance(edit, dict)
+    return (edits.condition_of(edit) if isinstance(edit, dict)
             else family.default_condition_size(args.h, args.w))
 
 

@@ -531,6 +531,11 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
                              "a tiny Qwen-Image-Edit (the tiny Qwen-Image under QwenImageEditPipeline) at 64px"),
     "qwen-image-edit-config": ("fastvideo.models.qwen_image_edit:write_config",
                                "Qwen-Image-Edit's real configs, no weights"),
+    "qwen-image-edit-plus-tiny": ("fastvideo.models.qwen_image_edit:build_tiny_plus",
+                                  "a tiny Qwen-Image-Edit-2509 (the tiny Qwen-Image under QwenImageEditPlusPipeline) "
+                                  "at 64px"),
+    "qwen-image-edit-plus-config": ("fastvideo.models.qwen_image_edit:write_config_plus",
+                                    "Qwen-Image-Edit-2509's real configs, no weights"),
     "wan-tiny": ("fastvideo.models.wan_presets:build_tiny", "a tiny Wan2.1 text-to-video model at 64px x 5 frames"),
     "wan2.1-t2v-14b-config": ("fastvideo.models.wan_presets:write_config",
                               "Wan2.1-T2V-14B's real configs, no weights"),

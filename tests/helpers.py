@@ -141,6 +141,23 @@ def assert_lora_changes_pipeline(model_dir: Path, lora_dir: Path) -> None:
     assert (tuned - base).abs().max() > 1e-4, "the trained LoRA does not change the pipeline's output"
 
 
+def random_lora(family, folder: Path, seed: int = 2, scale: float = 0.2):
+    """The family's transformer from ``folder`` with a rank-4 LoRA whose B matrices are seeded noise x ``scale``
+    (lora_B starts at zero: an adapter with an effect for export tests)."""
+    import torch
+
+    from fastvideo.lora import add_lora
+
+    model = add_lora(family.load_transformer(folder), rank=4, alpha=8,
+                     target_modules=list(family.lora_target_modules), init_seed=0)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return model
+
+
 def validate_flags(tmp_path: Path, parse, validate, *flags: str, world: int = 1) -> dict:
     """``validate(parse([...model and data flags, *flags]), world)`` with a stub model folder and manifest (flag checks
     need no real files); returns the batch arithmetic."""

@@ -111,7 +111,13 @@ def test_a_rerun_keeps_finished_shards_and_re_encodes_a_changed_image(kontext, t
 
 @pytest.mark.parametrize("line,fix", [
     ('{"image": "images/0.png", "prompt": "ok"}\n{"image": "images/1.png"', r"line 2: not valid JSON"),
-    ('{"image": "images/0.png", "prompt": "ok"}\n\n{"image": "images/1.png"}', r"line 3: needs the string keys"),
+    ('{"image": "images/0.png", "prompt": "ok"}\n\n{"image": "images/1.png"}', r"line 3: needs the string key"),
+    ('{"image": "images/0.png", "images": ["images/1.png"], "prompt": "a"}', r"line 1: needs .* either \"image\""),
+    ('{"images": [], "prompt": "a"}', r"line 1: needs .*\"images\" \(a non-empty list of strings\)"),
+    ('{"images": ["images/0.png", "images/1.png"], "prompt": "a"}\n{"images": ["images/1.png"], "prompt": "b"}',
+     r"line 2 names 1 source images but line 1 names 2.*split the file"),
+    ('{"images": ["images/0.png", "images/1.png"], "prompt": "a"}',
+     r"names 2 source images per edit, but the flux-kontext family takes one.*qwen-image-edit-plus"),
     ('{"image": "images/0.png", "prompt": "   "}', r"line 1: the instruction .* is empty"),
     ('{"image": "images/0.png", "prompt": "a"}\n{"image": "nope.png", "prompt": "b"}',
      r"line 2: source image 'nope.png' .* does not exist; image paths are relative to the edit file"),
@@ -228,6 +234,22 @@ def test_edit_rewards_receive_the_sources_and_log_the_source_distance():
         fn(edits, ["a", "b", "c"])
     with pytest.raises(ValueError, match="one .3, h, w. source per edit"):
         fn(edits, ["a", "b", "c"], sources[:2])
+
+
+@pytest.mark.slow(cover="test_sequence_parallel.py::test_sp2_equals_sp1_on_two_ranks", cost_s=20)
+def test_kontext_sp2_on_two_ranks_equals_one_rank(kontext, tmp_path):
+    """Kontext GRPO LoRA with true CFG, Ulysses --sp_size 2 over the target + source tokens (16 + 16) on 2 ranks (one
+    data-parallel replica) against 1 rank, one step: the same rollout (its rewards and source distances) and the same
+    gradient to float rounding."""
+    flags = ("--lora_rank", "4", "--cfg_scale", "2", "--fsdp_version", "2", "--max_train_steps", "1")
+    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, tmp_path / "sp2", *flags, "--sp_size", "2")])
+    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, tmp_path / "sp1", *flags)], nproc=1)
+    sp2, sp1 = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                for name in ("sp2", "sp1"))
+    assert len(sp2) == len(sp1) == 1
+    for key in ("reward_mean", "reward_source_distance"):
+        assert sp2[0][key] == pytest.approx(sp1[0][key], rel=1e-6), key
+    assert sp2[0]["grad_norm"] == pytest.approx(sp1[0]["grad_norm"], rel=1e-5) and sp2[0]["grad_norm"] > 0
 
 
 @pytest.mark.slow(cover=EDIT_GRPO, cost_s=40)

@@ -42,8 +42,11 @@ def _trace(model: Path, hps_flags: tuple[str, ...], work: Path, *extra: str) -> 
 # DPO's and NFT's update, each with LoRA and as a full fine-tune. FLUX.2-dev is its guidance-embedding path (the family's default --guidance_scale
 # 4.0 goes in); Qwen-Image's text masks are padded (row r keeps L - 1 - r tokens); Wan samples 5-frame videos,
 # rewarded over frames, and adds its SP 2 path; FLUX.1-Kontext edits (its source tokens in every forward, the CFG
-# halves sharing them, the sources handed to the reward) and so does Qwen-Image-Edit (its VLM rows seeing the source). Sequence parallelism is FLUX.1's and Wan's (the other families refuse
-# --sp_size > 1 before loading: test_sequence_parallel.py).
+# halves sharing them, the sources handed to the reward) and so does Qwen-Image-Edit (its VLM rows seeing the source).
+# Sequence parallelism is FLUX.1's, Wan's and FLUX.1-Kontext's (its SP 2 path over the target + source tokens; the
+# other families refuse --sp_size > 1 before loading: test_sequence_parallel.py). Qwen-Image-Edit-2509's family
+# (qwen-image-edit-plus) differs from Qwen-Image-Edit's only in preprocessing (the VLM's text and image size) and in
+# the number of source grids in img_shapes: its rollout and replay are the traced ones.
 FAMILY_PRESETS = ("sd3-tiny", "qwen-image-tiny", "flux2-tiny", "flux2-dev-tiny", "wan-tiny", "wan22-ti2v-tiny",
                   "wan22-a14b-tiny", "flux-kontext-tiny", "qwen-image-edit-tiny")
 # a family's own trace flags: Wan's 5-frame videos (rewarded over frames) and its SP 2 path over the video tokens
@@ -55,6 +58,7 @@ FAMILY_EXTRA = {preset: ("--extra", "--num_frames 5", "--sp_size", "2")
 # NFT's updates are their base families' calls with the same velocity, traced above
 EDIT_PRESETS = ("flux-kontext-tiny", "qwen-image-edit-tiny")
 FAMILY_EXTRA.update({preset: ("--objectives", "grpo") for preset in EDIT_PRESETS})
+FAMILY_EXTRA["flux-kontext-tiny"] += ("--sp_size", "2")
 FAMILY_OBJECTIVES = {preset: ("grpo",) for preset in EDIT_PRESETS}
 # LoRA with true CFG (the doubled guided forward in every loop), the full fine-tune CFG-free
 VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}

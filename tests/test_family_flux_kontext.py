@@ -12,10 +12,11 @@ import torch
 from PIL import Image
 
 from fastvideo import models
-from fastvideo.lora import add_lora, save_lora_for_diffusers
+from fastvideo.lora import save_lora_for_diffusers
 from fastvideo.models import flux_kontext
 from fastvideo.models.common import EditGeometry
 from fastvideo.rollout import guided_velocity
+from helpers import random_lora
 
 PROMPTS = ["make the red circle blue", "remove the square"]
 T5_TOKENS = 16
@@ -156,13 +157,7 @@ def test_geometry_refusals(parts, family, folder):
 def test_lora_export_loads_in_the_stock_pipeline_and_changes_the_edit(folder, parts, family, sources, tmp_path):
     from diffusers import FluxKontextPipeline
 
-    model = add_lora(family.load_transformer(folder), rank=4, alpha=8,
-                     target_modules=list(family.lora_target_modules), init_seed=0)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model = random_lora(family, folder)
     out = save_lora_for_diffusers(model, tmp_path / "lora", family=family)
     pipeline = FluxKontextPipeline.from_pretrained(folder, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)

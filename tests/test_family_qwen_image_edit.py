@@ -6,6 +6,7 @@ per-example negative rows, the vision-token count the planner uses, and the LoRA
 Default tier, ~15 s; the trainers on it: tests/test_editing.py."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,14 @@ import torch
 from PIL import Image
 
 from fastvideo import models
-from fastvideo.lora import add_lora, save_lora_for_diffusers
+from fastvideo.lora import save_lora_for_diffusers
 from fastvideo.models import qwen_image_edit as qe
 from fastvideo.rollout import guided_velocity
+from helpers import random_lora
 
 PROMPTS = ["make the red circle blue", "remove the square"]
 MSL = 16
+PLUS_MSL = 32  # the Plus text adds "Picture 1: " (and "Picture 2: ") before the instruction
 SIZE = 64  # the tiny preset's target size; the sources are 48 x 64 (another grid than the target's)
 SOURCE_HW = (48, 64)
 
@@ -115,7 +118,7 @@ def test_velocity_is_the_target_rows_of_one_call_over_both_grids(parts, family, 
     rows = family.collate(rows)
     x = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(1))
     shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
-    assert shared["img_shape"] == (1, 8, 8) and shared["source_shape"] == (1, 6, 8)
+    assert shared["img_shape"] == (1, 8, 8) and shared["source_shapes"] == [(1, 6, 8)]
     with torch.no_grad():
         v = family.predict_velocity(model, x, torch.tensor(0.6), rows, shared)
         full = model(hidden_states=torch.cat([x, rows["image_latents"]], 1), timestep=torch.full((2,), 0.6),
@@ -209,13 +212,7 @@ def test_lora_export_loads_in_the_stock_pipeline_and_changes_the_edit(folder, pa
                                                                       tmp_path):
     from diffusers import QwenImageEditPipeline
 
-    model = add_lora(family.load_transformer(folder), rank=4, alpha=8,
-                     target_modules=list(family.lora_target_modules), init_seed=0)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_B." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model = random_lora(family, folder)
     out = save_lora_for_diffusers(model, tmp_path / "lora", family=family)
     pipeline = QwenImageEditPipeline.from_pretrained(folder, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)
@@ -256,3 +253,154 @@ def test_flops_count_the_source_tokens_and_the_planner_assumes_the_pipelines_sou
     assert family.default_condition_size(512, 512) == (1024, 1024)
     assert family.default_condition_size(480, 832) == (768, 1344)  # the pipeline's calculate_dimensions(1024², 832/480)
     assert models.geometry_for(family, folder, SIZE, SIZE).condition.height == 1024
+
+
+# ------------------------------------------------------------------------------ QwenImageEditPlusPipeline (2509)
+@pytest.fixture(scope="module")
+def plus(tmp_path_factory):
+    """The tiny Plus folder, its family, the stock QwenImageEditPlusPipeline and the family's parts."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    folder = qe.build_tiny_plus(tmp_path_factory.mktemp("qwen-edit-plus") / "model", seed=0)
+    family = models.resolve("qwen-image-edit-plus")
+    pipeline = QwenImageEditPlusPipeline.from_pretrained(folder, local_files_only=True)
+    pipeline.set_progress_bar_config(disable=True)
+    vae = family.load_vae(folder)
+    return {"folder": folder, "family": family, "pipe": pipeline, "enc": family.load_text_encoders(folder),
+            "vae": vae, "transformer": family.load_transformer(folder),
+            "geometry": models.geometry_for(family, vae, SIZE, SIZE, condition=SOURCE_HW)}
+
+
+@pytest.fixture
+def plus_vae_size(monkeypatch):
+    """The Plus pipeline resizes each source to a 1024² area for the VAE and to a 384² area for the VLM; the VAE's
+    keeps the source's own size here (as a store made with --edit_size), the VLM's is the pipeline's."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as mod
+
+    stock, (h, w) = mod.calculate_dimensions, SOURCE_HW
+    monkeypatch.setattr(mod, "calculate_dimensions",
+                        lambda area, ratio: (w, h) if area == mod.VAE_IMAGE_SIZE else stock(area, ratio))
+
+
+def test_plus_rows_name_the_picture_and_see_it_at_384_squared(plus, sources):
+    """The stored rows equal QwenImageEditPlusPipeline.encode_prompt of the condition image it makes (the source
+    resized with Lanczos to a 384² area: 448 x 320 for a 4:3 source), one example per call (the pipeline's batch)."""
+    family, enc, pipe = plus["family"], plus["enc"], plus["pipe"]
+    assert models.resolve("auto", plus["folder"]) is family and family.edit and family.negative_sees_source
+    assert models.family_of(family.load_transformer(plus["folder"])) is family
+    assert family.vlm_size(*SOURCE_HW) == (320, 448) == qe.calculate_dimensions(384 * 384, 64 / 48)
+    rows, truncated = family.encode_edits(enc, plus["vae"], _tensor(sources), PROMPTS, PLUS_MSL)
+    assert truncated == [False, False]
+    vision = qe.vision_tokens(320, 448, qe.TINY_PROCESSOR_CONFIG)
+    assert vision == 12 and rows["prompt_embeds"].shape == (2, vision + PLUS_MSL, 32)  # 320 x 448 -> 84 x 112 -> 3 x 4
+    for i, source in enumerate(sources):
+        condition = pipe.image_processor.resize(source, 320, 448)
+        with torch.no_grad():
+            pe, pm = pipe.encode_prompt(PROMPTS[i], image=[condition])
+        n = pe.shape[1]
+        assert torch.equal(rows["prompt_embeds"][i, :n], pe[0]) and not rows["prompt_embeds"][i, n:].any()
+        assert pm is None or bool(pm.all())  # one prompt per call: no padding (diffusers drops an all-ones mask)
+        assert rows["prompt_embeds_mask"][i, :n].all() and not rows["prompt_embeds_mask"][i, n:].any()
+    ids = enc.processor(text=[family.instruction_text(PROMPTS[0])], images=sources[:1]).input_ids[0]
+    assert enc.tokenizer.decode(ids[qe.EDIT_TEMPLATE_DROP:qe.EDIT_TEMPLATE_DROP + 4]).startswith("Picture 1")
+    edit = models.resolve("qwen-image-edit")
+    edit_rows, _ = edit.encode_edits(enc, plus["vae"], _tensor(sources), PROMPTS, PLUS_MSL)
+    assert edit_rows["prompt_embeds"].shape != rows["prompt_embeds"].shape or \
+        (edit_rows["prompt_embeds"] - rows["prompt_embeds"]).abs().max() > 1e-3  # another text than Edit's
+    assert torch.equal(edit_rows["image_latents"], rows["image_latents"])  # the same VAE latents
+
+
+def test_plus_euler_loop_and_lora_export_equal_the_stock_pipeline(plus, sources, plus_vae_size, tmp_path):
+    """3 Euler steps with true CFG 4 (negative " " with each source) equal the stock Plus pipeline's, one edit per
+    call; a LoRA export loads in it and gives the trained adapter's velocity."""
+    family, geometry, steps = plus["family"], plus["geometry"], 3
+    noise = torch.randn(2, *geometry.packed_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        images = torch.cat([plus["pipe"](image=[s], prompt=p, latents=noise[i:i + 1], num_inference_steps=steps,
+                                         output_type="pt", height=SIZE, width=SIZE, negative_prompt=" ",
+                                         true_cfg_scale=4.0).images for i, (s, p) in enumerate(zip(sources, PROMPTS))])
+        rows, _ = family.encode_edits(plus["enc"], plus["vae"], _tensor(sources), PROMPTS, PLUS_MSL)
+        uncond, _ = family.encode_edits(plus["enc"], plus["vae"], _tensor(sources), [" ", " "], PLUS_MSL)
+        rows.update({f"negative_{k}": uncond[k] for k in ("prompt_embeds", "prompt_embeds_mask")})
+        shared = family.conditioning(geometry, rows, None, torch.device("cpu"))
+        sigmas, x = family.sigmas(steps, geometry.seq_len), noise
+        for i in range(steps):
+            x = x + (sigmas[i + 1] - sigmas[i]) * guided_velocity(family, plus["transformer"], x, sigmas[i], rows,
+                                                                  shared, 4.0)
+        ours = family.decode(plus["vae"], x, geometry)
+    diff = (ours - images).abs().max().item() * 255
+    print(f"plus, cfg 4: sampling max |diff| x 255 = {diff:.3g}")
+    assert ours.shape == images.shape == (2, 3, SIZE, SIZE) and diff < 1
+    model = random_lora(family, plus["folder"])
+    plus["pipe"].load_lora_weights(save_lora_for_diffusers(model, tmp_path / "lora", family=family))
+    try:
+        with torch.no_grad():
+            ours = family.predict_velocity(model, noise, torch.tensor(0.7), rows, shared)
+            stock = family.predict_velocity(plus["pipe"].transformer, noise, torch.tensor(0.7), rows, shared)
+    finally:
+        plus["pipe"].unload_lora_weights()
+    assert torch.allclose(stock, ours, atol=1e-5)
+    with torch.no_grad():
+        base = family.predict_velocity(plus["transformer"], noise, torch.tensor(0.7), rows, shared)
+    assert (ours - base).abs().max() > 1e-3  # the adapter changes the velocity
+
+
+def test_plus_vision_tokens_for_the_planner():
+    """At Qwen's processor settings the Plus VLM sees a 1024² source as 384² -> smart_resize 392² = 28² patches of
+    14 px, merged 2 x 2 -> 196 tokens (Qwen-Image-Edit's: 1,369); a 480 x 832 source: calculate_dimensions(384²,
+    832/480) = 288 x 512 -> 280 x 504 -> 10 x 18 = 180."""
+    family = models.resolve("qwen-image-edit-plus")
+    assert family.text_tokens(512, condition=(1024, 1024)) == 196 + 512
+    assert family.vlm_size(480, 832) == (288, 512) and family.text_tokens(0, condition=(480, 832)) == 180
+    assert family.default_condition_size(480, 832) == (768, 1344)  # the VAE's source: the 1024² area, as Edit's
+
+
+def test_plus_two_sources_per_edit_from_the_edit_file_to_the_stock_pipelines_edit(plus, sources, plus_vae_size,
+                                                                                 tmp_path):
+    """An edit file line naming two sources ("images": [...]) -> a store with both (sources/<id>.png, <id>.1.png;
+    manifest sources_per_edit 2; the rows see "Picture 1" and "Picture 2", the latents of both in order) -> 3 Euler
+    steps with true CFG 4 over the target's and both sources' grids equal the stock Plus pipeline given both images."""
+    from fastvideo.data import EmbeddingDataset, open_prompt_store, write_prompt_store
+
+    family = plus["family"]
+    (tmp_path / "images").mkdir()
+    for i, image in enumerate(sources):
+        image.save(tmp_path / "images" / f"{i}.png")
+    pair = {"images": ["images/0.png", "images/1.png"], "prompt": "put the block of picture 2 into picture 1"}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "prompt": "swap them"}) + "\n")
+    writer = open_prompt_store(None, plus["folder"], tmp_path / "store", edit_file=tmp_path / "pairs.jsonl",
+                               max_sequence_length=PLUS_MSL, shard_size=2, negative_prompt=" ")
+    write_prompt_store(writer, device=torch.device("cpu"))
+    ds = EmbeddingDataset(tmp_path / "store").use(family, negative=True)
+    assert ds.condition_size == (*SOURCE_HW, 2) and ds.manifest["edit"]["sources_per_edit"] == 2
+    assert (tmp_path / "store" / "sources" / "00000001.1.png").is_file()
+    assert torch.equal(ds.source_images([0]), _tensor(sources[:1]))  # what a reward compares with: Picture 1
+    geometry = models.geometry_for(family, plus["vae"], SIZE, SIZE, condition=ds.condition_size)
+    assert geometry.condition_tokens == 2 * geometry.condition.seq_len == 2 * 48
+    batch = ds.get_batch([0])
+    assert batch["image_latents"].shape == (1, 2 * 48, 64)
+    with torch.no_grad():
+        conditions = [plus["pipe"].image_processor.resize(s, 320, 448) for s in sources]
+        pe, _ = plus["pipe"].encode_prompt(pair["prompt"], image=conditions)
+        noise = torch.randn(1, *geometry.packed_shape, generator=torch.Generator().manual_seed(4))
+        stock = plus["pipe"](image=list(sources), prompt=pair["prompt"], latents=noise, num_inference_steps=3,
+                             output_type="pt", height=SIZE, width=SIZE, negative_prompt=" ",
+                             true_cfg_scale=4.0).images
+        n = pe.shape[1]
+        assert torch.allclose(batch["prompt_embeds"][:, :n], pe, atol=1e-6) and not batch["prompt_embeds"][:, n:].any()
+        assert ds.manifest["shapes"]["prompt_embeds"] == [2 * 12 + PLUS_MSL, 32]  # both pictures' tokens + msl
+        shared = family.conditioning(geometry, batch, None, torch.device("cpu"))
+        assert shared["source_shapes"] == [(1, 6, 8), (1, 6, 8)]
+        sigmas, x = family.sigmas(3, geometry.seq_len), noise
+        for i in range(3):
+            x = x + (sigmas[i + 1] - sigmas[i]) * guided_velocity(family, plus["transformer"], x, sigmas[i], batch,
+                                                                  shared, 4.0)
+        ours = family.decode(plus["vae"], x, geometry)
+    diff = (ours - stock).abs().max().item() * 255
+    print(f"plus, 2 sources, cfg 4: sampling max |diff| x 255 = {diff:.3g}")
+    assert diff < 1
+    swapped = {**batch, "image_latents": torch.cat([batch["image_latents"][:, 48:], batch["image_latents"][:, :48]], 1)}
+    with torch.no_grad():
+        v = family.predict_velocity(plus["transformer"], noise, torch.tensor(0.5), batch, shared)
+        w = family.predict_velocity(plus["transformer"], noise, torch.tensor(0.5), swapped, shared)
+    assert (v - w).abs().max() > 1e-3  # the sources' order matters, as the pipeline's Picture 1 / Picture 2

@@ -61,8 +61,8 @@ def test_unserved_pipeline_names_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nonsense", "neither 'auto', a family (flux1, sd3, qwen-image, flux2, wan, flux-kontext, qwen-image-edit) nor "
-                 "'package.module:Class'"),
+    ("nonsense", "neither 'auto', a family (flux1, sd3, qwen-image, flux2, wan, flux-kontext, qwen-image-edit, "
+                 "qwen-image-edit-plus) nor 'package.module:Class'"),
     ("no_such_package_xyz:Family", "cannot import 'no_such_package_xyz'"),
     ("fastvideo.models.flux:LatentGeometry", "has no ModelFamily subclass 'LatentGeometry'"),
 ])

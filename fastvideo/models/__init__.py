@@ -35,6 +35,7 @@ FAMILIES: dict[str, str] = {
     "wan": "fastvideo.models.wan:Wan",
     "flux-kontext": "fastvideo.models.flux_kontext:FluxKontext",
     "qwen-image-edit": "fastvideo.models.qwen_image_edit:QwenImageEdit",
+    "qwen-image-edit-plus": "fastvideo.models.qwen_image_edit:QwenImageEditPlus",
 }
 _HELP = "docs/model-families.md"
 _cache: dict[str, ModelFamily] = {}
@@ -111,11 +112,12 @@ def family_for(args: Any) -> ModelFamily:
 
 
 def geometry_for(family: ModelFamily, source: Any, height: int, width: int, frames: int | None = None,
-                 condition: tuple[int, int] | None = None) -> Any:
+                 condition: tuple[int, ...] | None = None) -> Any:
     """The latent geometry of ``height`` x ``width`` samples (a video family: of ``frames`` frames, None = its
     pipeline's default); ``frames`` other than None or 1 for an image family is a ValueError naming the flag. An edit
-    family's geometry also holds its source images' (``condition``: their (height, width), the edit store's
-    ``condition_size``; None: ``family.default_condition_size``, the planner's assumption)."""
+    family's geometry also holds its source images' (``condition``: their (height, width), or (height, width, count)
+    for several per edit, the edit store's ``condition_size``; None: ``family.default_condition_size``, the planner's
+    assumption)."""
     if family.video:
         geometry = family.latent_geometry(source, height, width, frames)
     elif frames not in (None, 1):
@@ -128,8 +130,13 @@ def geometry_for(family: ModelFamily, source: Any, height: int, width: int, fram
             raise ValueError(f"the {family.name} family takes no source image, but the data holds edits: train an "
                              "edit family (flux-kontext, qwen-image-edit) on them, or preprocess a --prompt_file")
         return geometry
-    h, w = family.default_condition_size(height, width) if condition is None else condition
-    return family.edit_geometry(geometry, source, h, w)
+    h, w, *count = family.default_condition_size(height, width) if condition is None else condition
+    count = int(count[0]) if count else 1
+    if count > 1 and not family.multi_source:
+        raise ValueError(f"the {family.name} family takes one source image per edit, but the data holds {count}: "
+                         "preprocess an edit file with one \"image\" per line, or train a family that takes several "
+                         "(qwen-image-edit-plus)")
+    return family.edit_geometry(geometry, source, h, w, count)
 
 
 def family_of(transformer: Any) -> ModelFamily:

@@ -110,6 +110,9 @@ class ModelFamily:
     # Whether the pipeline encodes the negative prompt with the source (Qwen-Image-Edit's VLM sees it): the store then
     # keeps a negative row per example in the shards instead of one ``negative.safetensors`` row.
     negative_sees_source: ClassVar[bool] = False
+    # Whether one edit may have several sources (an edit file's "images": [...]; ``encode_edits`` then gets
+    # (B, K, 3, H, W) and the geometry's ``condition_count`` is K).
+    multi_source: ClassVar[bool] = False
 
     recipes: ClassVar[dict[str, str]] = {}  # trainer (grpo, dpo, nft) -> the launchers' default recipe for it
 
@@ -216,9 +219,10 @@ class ModelFamily:
         assumption for ``height`` x ``width`` edits); default: the target's."""
         return int(height), int(width)
 
-    def edit_geometry(self, geometry: Any, vae_or_config: Any, height: int, width: int) -> Any:
+    def edit_geometry(self, geometry: Any, vae_or_config: Any, height: int, width: int, count: int = 1) -> Any:
         """``geometry`` (the target's) with the source image's latent geometry for ``height`` x ``width`` sources
-        attached (``.condition``; ``.condition_tokens`` counts its packed tokens); ValueError naming valid sizes."""
+        attached (``.condition``, ``count`` of them per edit; ``.condition_tokens`` counts their packed tokens);
+        ValueError naming valid sizes."""
         from fastvideo.models.common import EditGeometry  # the geometry module imports this one
 
         try:
@@ -226,7 +230,8 @@ class ModelFamily:
         except ValueError as err:
             raise ValueError(f"source images of {height} x {width} (the edit store's size; preprocess_embeddings.py "
                              f"--edit_size resizes them): {err}") from None
-        return EditGeometry(**{f.name: getattr(geometry, f.name) for f in fields(geometry)}, condition=source)
+        return EditGeometry(**{f.name: getattr(geometry, f.name) for f in fields(geometry)}, condition=source,
+                            condition_count=int(count))
 
     def conditioning(self, geometry: Any, cond: Mapping[str, torch.Tensor], guidance: float | None,
                      device: torch.device) -> dict[str, Any]:

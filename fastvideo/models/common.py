@@ -137,11 +137,12 @@ class EditGeometry(LatentGeometry):
     (``condition``), whose packed tokens join the transformer's sequence (``ModelFamily.edit_geometry``)."""
 
     condition: LatentGeometry | None = None
+    condition_count: int = 1  # sources per edit (each of ``condition``'s geometry): Qwen-Image-Edit-2509's pictures
 
     @property
     def condition_tokens(self) -> int:
-        """Packed source tokens per example (0 without a source)."""
-        return 0 if self.condition is None else self.condition.seq_len
+        """Packed source tokens per example, every source's (0 without a source)."""
+        return 0 if self.condition is None else self.condition.seq_len * self.condition_count
 
 
 def latent_geometry(vae_or_config: Any, height: int, width: int) -> LatentGeometry:

@@ -41,7 +41,9 @@ class FluxKontext(flux.Flux1):
     condition_keys = (SOURCE_KEY,)
     edit = True
     defaults = SamplerDefaults(steps=28, guidance=3.5, height=1024, width=1024, max_sequence_length=flux.MAX_T5_TOKENS)
-    sequence_parallel = False  # the source tokens join the split sequence: not implemented yet (docs/editing.md)
+    # --sp_size > 1: diffusers' FluxTransformer2DModel._cp_plan splits the joined target + source tokens and their
+    # ids alike (L + Ls must divide by it) and gathers the output, whose first L rows are the target's
+    sequence_parallel = True
     recipes = {"grpo": "scripts/recipes/flow_grpo_kontext.yaml"}
 
     def encode_edits(self, encoders, vae, images, prompts, max_sequence_length):

@@ -14,8 +14,13 @@ The source enters twice (diffusers 0.42 ``pipeline_qwenimage_edit.py``):
 Everything else (true CFG rescaled to the conditional norm, the sigma grid on the target's token count, the VAE) is
 Qwen-Image's: ``QwenImageEdit`` subclasses ``QwenImage`` and adds the condition (``ModelFamily.edit``). The stock
 pipeline resizes every source to a 1024² area (multiples of 32); an edit store holds one source size
-(``preprocess_embeddings.py --edit_size 1024x1024`` for the pipeline's). ``QwenImageEditPlusPipeline`` (several
-sources, the VLM seeing them at 384²) is not served yet (docs/editing.md).
+(``preprocess_embeddings.py --edit_size 1024x1024`` for the pipeline's).
+
+``QwenImageEditPlus`` serves ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509/2511): its template names each
+image (``Picture k: <|vision_start|><|image_pad|><|vision_end|>`` before the instruction), its VLM sees each source
+resized (Lanczos) to a 384² area (196 vision tokens for a square source instead of 1,369), and an edit may have
+several sources (``multi_source``: their latents one after another in the sequence, one ``img_shapes`` entry each);
+the VAE latents and everything after are Qwen-Image-Edit's.
 """
 from __future__ import annotations
 
@@ -44,6 +49,12 @@ EDIT_TEMPLATE_DROP = 64  # the system turn and "<|im_start|>user\n": the kept ro
 PROCESSOR_CONFIG: dict[str, Any] = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                                     "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384}
 SOURCE_AREA = 1024 * 1024  # QwenImageEditPipeline resizes every source to this area (calculate_dimensions)
+PLUS_PIPELINE_CLASS = "QwenImageEditPlusPipeline"
+# QwenImageEditPlusPipeline.prompt_template_encode (the same system turn: 64 tokens dropped) and its
+# img_prompt_template, numbered from 1 and written before the instruction.
+PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>{}", "{}")
+PICTURE_TEMPLATE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+PLUS_VLM_AREA = 384 * 384  # pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE: the VLM's source area
 TINY_PROCESSOR_CONFIG: dict[str, Any] = {**PROCESSOR_CONFIG, "max_pixels": 112 * 112}  # <= 16 vision tokens
 _COMPONENT_FILES = {**qi._COMPONENT_FILES, "processor": ("tokenizer_config.json", "processor_config.json")}
 TEXT_COMPONENTS = ("tokenizer", "text_encoder", "processor")
@@ -106,10 +117,20 @@ class QwenImageEdit(qi.QwenImage):
         return EditTextEncoders(tokenizer=base.tokenizer, text_encoder=base.text_encoder, processor=processor)
 
     def text_tokens(self, max_sequence_length, condition=None):
-        """The stored text rows: the source's vision tokens (a ``condition`` = (height, width) source, default
-        1024², the pipeline's area, at Qwen-Image-Edit's processor settings) + ``max_sequence_length``."""
-        h, w = condition or (self.defaults.height, self.defaults.width)
-        return vision_tokens(h, w) + int(max_sequence_length)
+        """The stored text rows: the vision tokens of the source the VLM sees (a ``condition`` = (height, width)
+        source, default 1024², the pipeline's area, at Qwen-Image-Edit's processor settings; several: each's) +
+        ``max_sequence_length``."""
+        h, w, *count = condition or (self.defaults.height, self.defaults.width)
+        return (count[0] if count else 1) * vision_tokens(*self.vlm_size(h, w)) + int(max_sequence_length)
+
+    def vlm_size(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) the VLM sees a ``height`` x ``width`` source at: its own (QwenImageEditPipeline hands
+        the processor the source it encodes)."""
+        return int(height), int(width)
+
+    def instruction_text(self, prompt: str, sources: int = 1) -> str:
+        """The chat text of one instruction: the edit template, the source's image pad in it."""
+        return EDIT_TEMPLATE.format(prompt)
 
     def default_condition_size(self, height, width):
         """The pipeline's source size: a 1024² area at the source's aspect ratio (taken as the edit's), sides rounded
@@ -119,8 +140,10 @@ class QwenImageEdit(qi.QwenImage):
     @torch.no_grad()
     def encode_edits(self, encoders, vae, images, prompts, max_sequence_length):
         """``QwenImageEditPipeline.encode_prompt`` with each source (the processor sees the uint8 pixels the pipeline
-        hands it; the 64 template tokens and the padding cut), rows padded with zeros to the source's vision tokens +
-        ``max_sequence_length`` (longer rows cut there and flagged), beside the source's packed latents."""
+        hands it, at ``vlm_size``; the 64 template tokens and the padding cut), rows padded with zeros to the source's
+        vision tokens + ``max_sequence_length`` (longer rows cut there and flagged), beside the source's packed
+        latents. ``images``: (B, 3, H, W), or (B, K, 3, H, W) for K sources per edit (``multi_source``: their vision
+        tokens in order in the text, their latents one after another)."""
         from PIL import Image  # heavy
 
         from fastvideo import edits
@@ -133,9 +156,16 @@ class QwenImageEdit(qi.QwenImage):
         if not 1 <= max_sequence_length <= qi.MAX_TEXT_TOKENS:
             raise ValueError(f"max_sequence_length must be in [1, {qi.MAX_TEXT_TOKENS}] (the pipeline's limit), got "
                              f"{max_sequence_length}")
-        pictures = [Image.fromarray(a) for a in edits.to_uint8(images.float().cpu())]
-        inputs = encoders.processor(text=[EDIT_TEMPLATE.format(p) for p in prompts], images=pictures, padding=True,
-                                    return_tensors="pt")
+        every = images.unsqueeze(1) if images.dim() == 4 else images  # (B, K, 3, H, W)
+        count = every.shape[1]
+        if count > 1 and not self.multi_source:
+            raise ValueError(f"the {self.name} family takes one source per edit, got {count}")
+        pictures = [Image.fromarray(a) for a in edits.to_uint8(every.flatten(0, 1).float().cpu())]  # example-major
+        h, w = self.vlm_size(images.shape[-2], images.shape[-1])
+        if (h, w) != tuple(images.shape[-2:]):  # VaeImageProcessor.resize of a PIL image: Lanczos
+            pictures = [p.resize((w, h), resample=Image.LANCZOS) for p in pictures]
+        inputs = encoders.processor(text=[self.instruction_text(p, count) for p in prompts], images=pictures,
+                                    padding=True, return_tensors="pt")
         device = encoders.device
         hidden = encoders.text_encoder(input_ids=inputs["input_ids"].to(device),
                                        attention_mask=inputs["attention_mask"].to(device),
@@ -143,7 +173,7 @@ class QwenImageEdit(qi.QwenImage):
                                        image_grid_thw=inputs["image_grid_thw"].to(device),
                                        output_hidden_states=True).hidden_states[-1]
         merge = int(encoders.processor.image_processor.merge_size)
-        width = int(inputs["image_grid_thw"][0].prod()) // merge ** 2 + int(max_sequence_length)
+        width = count * int(inputs["image_grid_thw"][0].prod()) // merge ** 2 + int(max_sequence_length)
         embeds = hidden.new_zeros(len(prompts), width, hidden.shape[-1])
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
         truncated = []
@@ -154,19 +184,20 @@ class QwenImageEdit(qi.QwenImage):
             embeds[row, :kept.shape[0]] = kept
             mask[row, :kept.shape[0]] = 1
         source = self.latent_geometry(vae, images.shape[-2], images.shape[-1])
-        latents = self.encode(vae, images, source)  # posterior mode, normalised per channel: _encode_vae_image
+        # posterior mode, normalised per channel (_encode_vae_image); several sources: packed one after another
+        latents = torch.cat([self.encode(vae, every[:, k], source) for k in range(count)], dim=1)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.to(device), SOURCE_KEY: latents}, truncated
 
     def conditioning(self, geometry, cond, guidance, device):
-        """The target's packed grid and then the source's (python ints), the pipeline's two ``img_shapes`` entries."""
+        """The packed grid of each source (python ints): the pipeline's ``img_shapes`` entries after the target's."""
         source = condition_geometry_of(geometry, self)
         return {**super().conditioning(geometry, cond, guidance, device),
-                "source_shape": (1, source.latent_h // 2, source.latent_w // 2)}
+                "source_shapes": [(1, source.latent_h // 2, source.latent_w // 2)] * geometry.condition_count}
 
     def predict_velocity(self, transformer, latents, sigma, cond, shared):
-        """One call on the target tokens followed by the source's; the target rows of its output."""
+        """One call on the target tokens followed by the sources'; the target rows of its output."""
         both = torch.cat([latents, cond[SOURCE_KEY].to(latents.dtype)], dim=1)
-        out = self.transformer_call(transformer, both, sigma, cond, [shared["img_shape"], shared["source_shape"]])
+        out = self.transformer_call(transformer, both, sigma, cond, [shared["img_shape"], *shared["source_shapes"]])
         return out[:, :latents.shape[1]]
 
     def pipeline_class(self) -> type:
@@ -176,12 +207,38 @@ class QwenImageEdit(qi.QwenImage):
         return QwenImageEditPipeline
 
 
+class QwenImageEditPlus(QwenImageEdit):
+    """Qwen-Image-Edit-2509/2511 (``QwenImageEditPlusPipeline``): the template names each picture, the VLM sees
+    each source at a 384² area, an edit may have several sources; the sequence, CFG and losses are
+    Qwen-Image-Edit's."""
+
+    name = "qwen-image-edit-plus"
+    pipeline_classes = (PLUS_PIPELINE_CLASS,)
+    multi_source = True  # "Picture 1: ... Picture 2: ..." in the text, every source's latents in the sequence
+    recipes: dict[str, str] = {}
+
+    def vlm_size(self, height, width):
+        """The pipeline's condition image: a 384² area at the source's aspect ratio, sides multiples of 32."""
+        return calculate_dimensions(PLUS_VLM_AREA, width / height)
+
+    def instruction_text(self, prompt, sources=1):
+        """``Picture 1: <image pad>`` (and ``Picture 2: ...`` for each further source) and the instruction in the
+        chat template (the pipeline's ``_get_qwen_prompt_embeds``)."""
+        return PLUS_TEMPLATE.format("".join(PICTURE_TEMPLATE.format(k + 1) for k in range(sources)) + prompt)
+
+    def pipeline_class(self) -> type:
+        """``QwenImageEditPlusPipeline`` (its QwenImageLoraLoaderMixin writes and reads LoRA exports)."""
+        from diffusers import QwenImageEditPlusPipeline  # heavy
+
+        return QwenImageEditPlusPipeline
+
+
 # ------------------------------------------------------------------------------------------------- presets
-def _edit_index(folder: Path) -> None:
-    """Turn a Qwen-Image folder's model_index.json into QwenImageEditPipeline's (the same components + processor)."""
+def _edit_index(folder: Path, pipeline: str = PIPELINE_CLASS) -> None:
+    """Turn a Qwen-Image folder's model_index.json into an edit pipeline's (the same components + processor)."""
     index_file = folder / "model_index.json"
     index = json.loads(index_file.read_text())
-    index.update({"_class_name": PIPELINE_CLASS, "processor": ["transformers", "Qwen2VLProcessor"]})
+    index.update({"_class_name": pipeline, "processor": ["transformers", "Qwen2VLProcessor"]})
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
@@ -196,51 +253,74 @@ def _write_processor(folder: Path, settings: dict[str, Any]) -> None:
                      video_processor=Qwen2VLVideoProcessor()).save_pretrained(folder / "processor")
 
 
-def _retokenize(folder: Path) -> None:
-    """Replace the folder's stand-in tokenizer by one that also learned the edit template (its system turn is then
-    the 64 tokens the pipeline drops, as with Qwen2.5's vocabulary)."""
+def _templates(pipeline: str) -> tuple[str, ...]:
+    """The chat templates the tiny tokenizer learns for ``pipeline`` (its system turn then splits into the 64 tokens
+    the pipeline drops, as with Qwen2.5's vocabulary)."""
+    if pipeline == PLUS_PIPELINE_CLASS:
+        return qi.PROMPT_TEMPLATE, EDIT_TEMPLATE, PLUS_TEMPLATE.format(PICTURE_TEMPLATE.format(1) + "{}")
+    return qi.PROMPT_TEMPLATE, EDIT_TEMPLATE
+
+
+def _retokenize(folder: Path, pipeline: str) -> None:
+    """Replace the folder's stand-in tokenizer by one that also learned ``pipeline``'s edit template."""
     import shutil
 
     shutil.rmtree(folder / "tokenizer")
-    qi.save_tiny_tokenizer(folder / "tokenizer", (qi.PROMPT_TEMPLATE, EDIT_TEMPLATE))
+    qi.save_tiny_tokenizer(folder / "tokenizer", _templates(pipeline))
 
 
-def build_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """A seeded tiny Qwen-Image-Edit folder that the stock ``QwenImageEditPipeline`` loads: the tiny Qwen-Image
-    models (64 px targets), a tokenizer that learned the edit template, and a processor making <= 16 vision tokens per
-    source; same seed => byte-identical files."""
+def build_tiny(out_dir: str | os.PathLike, seed: int = 0, pipeline: str = PIPELINE_CLASS) -> Path:
+    """A seeded tiny Qwen-Image-Edit folder that the stock ``pipeline`` (``QwenImageEditPipeline`` or the Plus one)
+    loads: the tiny Qwen-Image models (64 px targets), a tokenizer that learned the edit template, and a processor
+    making <= 16 vision tokens per source; same seed => byte-identical files."""
     from fastvideo import tiny
 
+    preset = "qwen-image-edit-plus-tiny" if pipeline == PLUS_PIPELINE_CLASS else "qwen-image-edit-tiny"
+
     def write(tmp: Path) -> None:
-        qi.save_tiny_tokenizer(tmp / "tokenizer", (qi.PROMPT_TEMPLATE, EDIT_TEMPLATE))
+        qi.save_tiny_tokenizer(tmp / "tokenizer", _templates(pipeline))
         vocab_size = len(json.loads((tmp / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"])
         with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
             parts = qi._tiny_components(seed, vocab_size)
         for name, module in parts.items():
             module.save_pretrained(tmp / name)
         (tmp / "model_index.json").write_text(json.dumps(qi._model_index(), indent=2, sort_keys=True) + "\n")
-        _edit_index(tmp)
+        _edit_index(tmp, pipeline)
         _write_processor(tmp, TINY_PROCESSOR_CONFIG)
-        info = {"preset": "qwen-image-edit-tiny", "seed": seed, "height": qi.TINY_HEIGHT, "width": qi.TINY_WIDTH,
+        info = {"preset": preset, "seed": seed, "height": qi.TINY_HEIGHT, "width": qi.TINY_WIDTH,
                 "vae_scale_factor": 2 ** len(qi.TINY_VAE_CONFIG["temperal_downsample"])}
         (tmp / tiny.INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
     return tiny.write_atomically(out_dir, write)
 
 
-def write_config(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Qwen-Image-Edit's diffusers layout with its real configs and no weights (its transformer, VAE and text encoder
-    are Qwen-Image's architecture; a stand-in tokenizer; the real processor settings); ``seed`` is ignored."""
+def build_tiny_plus(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """The tiny folder under ``QwenImageEditPlusPipeline`` (``build_tiny``'s models, the Plus template learned)."""
+    return build_tiny(out_dir, seed, PLUS_PIPELINE_CLASS)
+
+
+def write_config(out_dir: str | os.PathLike, seed: int = 0, pipeline: str = PIPELINE_CLASS) -> Path:
+    """Qwen-Image-Edit's (or, ``pipeline`` the Plus one, Qwen-Image-Edit-2509's) diffusers layout with its real
+    configs and no weights (its transformer, VAE and text encoder are Qwen-Image's architecture; a stand-in
+    tokenizer; the real processor settings); ``seed`` is ignored."""
     from fastvideo import tiny
+
+    plus = pipeline == PLUS_PIPELINE_CLASS
 
     def write(tmp: Path) -> None:
         qi._write_config_folder(tmp)
-        _retokenize(tmp)
-        _edit_index(tmp)
+        _retokenize(tmp, pipeline)
+        _edit_index(tmp, pipeline)
         _write_processor(tmp, PROCESSOR_CONFIG)
         info_file = tmp / tiny.INFO_FILE
         info = json.loads(info_file.read_text())
-        info.update({"preset": "qwen-image-edit-config", "source": "Qwen/Qwen-Image-Edit (configs only)"})
+        info.update({"preset": "qwen-image-edit-plus-config" if plus else "qwen-image-edit-config",
+                     "source": f"Qwen/Qwen-Image-Edit{'-2509' if plus else ''} (configs only)"})
         info_file.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
     return tiny.write_atomically(out_dir, write)
+
+
+def write_config_plus(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Qwen-Image-Edit-2509's configs under ``QwenImageEditPlusPipeline`` (``write_config``)."""
+    return write_config(out_dir, seed, PLUS_PIPELINE_CLASS)
