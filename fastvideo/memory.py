@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fastvideo import lora, models
+from fastvideo import edits, lora, models
 from fastvideo.data import EmbeddingDataset
 from fastvideo.devices import ACCELERATOR_TYPES, compute_dtype
 from fastvideo.losses import POLICY_LOSS_TABLE
@@ -634,8 +634,6 @@ def condition_size(args: Any, family: Any) -> tuple[int, ...] | None:
     """An edit run's source size (height, width[, sources per edit]): from --data_json_path's manifest when it is
     there, else the size the family's pipeline resizes a source of the target's shape to (``default_condition_size``);
     None: no edit run."""
-    from fastvideo import edits
-
     if not family.edit:
         return None
     if not getattr(args, "data_json_path", None):

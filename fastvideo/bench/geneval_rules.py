@@ -140,6 +140,8 @@ def check_record(record: Any) -> None:
         raise ValueError("a record needs a \"prompt\" string")
     if record.get("tag") not in TASKS:
         raise ValueError(f"tag {record.get('tag')!r} is not one of {', '.join(TASKS)}")
+    if not isinstance(record.get("include"), list) or not record["include"]:
+        raise ValueError("a record needs at least one \"include\" item")
     for key in ("include", "exclude"):
         for item in record.get(key, []):
             if not isinstance(item, dict) or item.get("class") not in OBJECTS or \
@@ -148,11 +150,11 @@ def check_record(record: Any) -> None:
             if "color" in item and item["color"] not in COLORS:
                 raise ValueError(f"colour {item['color']!r} is not one of {', '.join(COLORS)}")
             if "position" in item:
-                rel, group = item["position"]
-                if rel not in POSITIONS or not 0 <= int(group) < record["include"].index(item):
-                    raise ValueError(f"position {item['position']!r} needs one of {POSITIONS} and an earlier group")
-    if not record.get("include"):
-        raise ValueError("a record needs at least one \"include\" item")
+                where = item["position"]
+                earlier = record["include"].index(item) if key == "include" else 0
+                if not (isinstance(where, list) and len(where) == 2 and where[0] in POSITIONS
+                        and isinstance(where[1], int) and 0 <= where[1] < earlier):
+                    raise ValueError(f"position {where!r} needs one of {POSITIONS} and an earlier include group")
 
 
 # ------------------------------------------------------------------------------------------------ detections
@@ -227,6 +229,17 @@ def relative_position(a: Sequence[float], b: Sequence[float],
 ColourOf = Callable[[Detection, str], str]  # (detection, class name) -> one of COLORS (CLIP zero-shot in the bench)
 
 
+def _misplaced(found: Sequence[Detection], target: Sequence[Detection], rel: str, threshold: float) -> set[str] | None:
+    """The relations of the first (found, target) pair, in GenEval's loop order, that lack ``rel``; None when every
+    found object is ``rel`` every target object (evaluate_images.py l.199-209)."""
+    for obj in found:
+        for other in target:
+            got = relative_position(obj.box, other.box, threshold)
+            if rel not in got:
+                return got
+    return None
+
+
 def evaluate(record: Mapping[str, Any], kept: Mapping[str, Sequence[Detection]], colour_of: ColourOf,
              position_threshold: float = POSITION_THRESHOLD) -> tuple[bool, str]:
     """GenEval's ``evaluate`` (evaluate_images.py l.160-220) on ``keep_detections``' output: each include needs at
@@ -255,15 +268,10 @@ def evaluate(record: Mapping[str, Any], kept: Mapping[str, Sequence[Detection]],
                 ok = correct = False
                 reasons.append(f"no target for {name} to be {rel}")
             else:
-                for obj in found:
-                    for other in target:
-                        got = relative_position(obj.box, other.box, position_threshold)
-                        if rel not in got:
-                            ok = correct = False
-                            reasons.append(f"expected {name} {rel} target, found {' and '.join(sorted(got)) or 'none'}")
-                            break
-                    if not ok:
-                        break
+                got = _misplaced(found, target, rel, position_threshold)
+                if got is not None:
+                    ok = correct = False
+                    reasons.append(f"expected {name} {rel} target, found {' and '.join(sorted(got)) or 'none'}")
         matched.append(found if ok else None)
     for req in record.get("exclude", []):
         if len(kept.get(req["class"], [])) >= req["count"]:
@@ -305,11 +313,9 @@ def reward(record: Mapping[str, Any], kept: Mapping[str, Sequence[Detection]], c
                     ok = strict = False
                     terms.append(0.0)
                 else:
-                    for obj in found:
-                        if any(rel not in relative_position(obj.box, o.box, position_threshold) for o in target):
-                            ok = strict = False
-                            terms.append(0.0)
-                            break
+                    if _misplaced(found, target, rel, position_threshold) is not None:
+                        ok = strict = False
+                        terms.append(0.0)
                     terms.append(1.0)
         matched.append(found if ok else None)
     return strict, sum(terms) / len(terms)
