@@ -547,6 +547,12 @@ FAMILY_PRESETS: dict[str, tuple[str, str]] = {
                         "a tiny Wan2.2-T2V-A14B layout (two experts switched at the boundary) at 64px x 5 frames"),
     "wan2.2-t2v-a14b-config": ("fastvideo.models.wan_presets:write_config_a14b",
                                "Wan2.2-T2V-A14B's real configs (two 14B experts), no weights"),
+    "owlv2-tiny": ("fastvideo.bench.tiny_detectors:build_owlv2_tiny",
+                   "a tiny random OWLv2 detector (the GenEval bench's plumbing tests)"),
+    "grounding-dino-tiny": ("fastvideo.bench.tiny_detectors:build_grounding_dino_tiny",
+                            "a tiny random Grounding DINO detector (the GenEval bench's plumbing tests)"),
+    "clip-tiny": ("fastvideo.bench.tiny_detectors:build_clip_tiny",
+                  "a tiny random transformers CLIP (the GenEval bench's colour head, for tests)"),
 }
 write_atomically = _write_atomically  # the family modules' builders use it
 

@@ -355,24 +355,26 @@ def test_logprobs_in_vllm_format(server, local):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def _reference_p_yes(local, pixels, text: str) -> float:
+    """P(yes) / (P(yes) + P(no)) of the model's first token in this process, over its 20 most likely tokens."""
+    processor, model = local
+    with torch.no_grad():
+        logits = model(**_inputs(local, pixels, text)).logits[0, -1]
+    top = torch.log_softmax(logits.float(), -1).topk(20)
+    words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
+    p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
+    assert p["yes"] > 0 and p["no"] > 0
+    return p["yes"] / (p["yes"] + p["no"])
+
+
 def test_judge_yes_no_equals_the_models_own_probability(server, local, token):
     images = _images()
     judge = vlm_judge.build(f"{server}/v1", "cpu", judge_score="yes_no")
     out = judge(images, PROMPTS)
     assert set(out) == {"score", "logprob_used"} and out["score"].dtype == torch.float32
     assert out["logprob_used"].tolist() == [1.0] * 6
-    _, model = local
-    processor = local[0]
-    expected = []
-    for pixels, prompt in zip(_pixels(images), PROMPTS):
-        text = vlm_judge.TEMPLATES["yes_no"].replace("{prompt}", prompt)
-        with torch.no_grad():
-            logits = model(**_inputs(local, pixels, text)).logits[0, -1]
-        top = torch.log_softmax(logits.float(), -1).topk(20)
-        words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
-        p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
-        assert p["yes"] > 0 and p["no"] > 0
-        expected.append(p["yes"] / (p["yes"] + p["no"]))
+    expected = [_reference_p_yes(local, pixels, vlm_judge.TEMPLATES["yes_no"].replace("{prompt}", prompt))
+                for pixels, prompt in zip(_pixels(images), PROMPTS)]
     assert out["score"].tolist() == pytest.approx(expected, abs=1e-5)
     assert max(expected) - min(expected) > 0.05  # the image and the prompt move the score
     reward = build_reward(f"vlm_judge:{server}/v1:2.0,jpeg_compressibility:0", "cpu")  # the registry's way in
@@ -550,3 +552,42 @@ def test_judge_sees_a_videos_frames_in_one_request(server, local, token):
         vlm_judge.VIDEO_TEMPLATES["number"], "x", 10, frames=3)
     ocr = vlm_judge.build(f"{server}/v1", "cpu", judge_score="ocr")
     assert not ocr.scores_videos
+
+
+def test_geneval_vqa_is_soft_tifa_over_the_atom_questions(server, local, token):
+    """``geneval_vqa:URL`` (GenEval 2's Soft-TIFA): each image's atom questions (object, count, colour, relation)
+    answered by the judge; the reward is the mean P(yes), ``geneval_vqa_gm`` the geometric mean, each P(yes) equal to
+    the model's own in this process."""
+    from fastvideo.bench import geneval as G
+    from fastvideo.bench import geneval_rules as R
+
+    images = _images()[:3]
+    prompts = ["a photo of two dogs", "a photo of a red cup and a blue clock", "a photo of a cat left of a dog"]
+    out = build_reward(f"geneval_vqa:{server}/v1:1.0", "cpu")(images, prompts)
+    questions = [G.atoms(R.parse_prompt(p)) for p in prompts]
+    assert [[k for k, _ in q] for q in questions] == [["object", "count"], ["object", "attribute"] * 2,
+                                                      ["object", "object", "relation"]]
+    assert questions[2][2][1] == "Is the cat left of the dog?"
+    for j, (pixels, q) in enumerate(zip(_pixels(images), questions)):
+        p = [_reference_p_yes(local, pixels, G.QUESTION.replace("{prompt}", text)) for _, text in q]
+        assert out["geneval_vqa"][j].item() == pytest.approx(sum(p) / len(p), abs=1e-5)
+        assert out["geneval_vqa_gm"][j].item() == pytest.approx(math.prod(p) ** (1 / len(p)), abs=1e-5)
+
+
+def test_bench_scores_soft_tifa_through_the_server(server, token, tiny_flux_dir, tmp_path):
+    """``python -m fastvideo.bench geneval --scorer vqa:URL``: the same files as the detector's, Soft-TIFA per image
+    and per atom type."""
+    from fastvideo.bench import cli
+    from fastvideo.bench import geneval_rules as R
+
+    summary = cli.main(["geneval", "--pretrained_model_name_or_path", str(tiny_flux_dir), "--output_dir",
+                        str(tmp_path / "vqa"), "--scorer", f"vqa:{server}/v1", "--per_task", "1",
+                        "--num_images_per_prompt", "1", "--num_inference_steps", "2", "--h", "64", "--w", "64"])
+    rows = [json.loads(line) for line in (tmp_path / "vqa" / "results.jsonl").read_text().splitlines()]
+    assert [r["tag"] for r in rows] == list(R.TASKS) and summary["scorer"] == "vqa"
+    for row in rows:
+        p = [a["p_yes"] for a in row["atoms"]]
+        assert row["soft_tifa"] == pytest.approx(sum(p) / len(p), abs=1e-6) and 0 < row["soft_tifa"] < 1
+    assert summary["overall"]["score"] == pytest.approx(sum(r["soft_tifa"] for r in rows) / 6)
+    assert set(summary["atoms"]) == {"object", "count", "attribute", "relation"}
+    assert (tmp_path / "vqa" / "failures.png").is_file()

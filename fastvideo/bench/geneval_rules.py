@@ -157,6 +157,58 @@ def check_record(record: Any) -> None:
                     raise ValueError(f"position {where!r} needs one of {POSITIONS} and an earlier include group")
 
 
+def _prompt_patterns() -> list[tuple[str, Any]]:
+    """Full-match regexes of the six templates, most specific first ("an orange orange" is a colour prompt)."""
+    import re
+
+    cls = "|".join(re.escape(o) for o in sorted(OBJECTS, key=len, reverse=True))
+    col = "|".join(COLORS)
+    plural = "|".join(re.escape(_plural(o)) for o in sorted(OBJECTS, key=len, reverse=True))
+    a = "an? "
+    return [("color_attr", re.compile(rf"a photo of {a}({col}) ({cls}) and {a}({col}) ({cls})")),
+            ("position", re.compile(rf"a photo of {a}({cls}) ({'|'.join(POSITIONS)}) {a}({cls})")),
+            ("two_object", re.compile(rf"a photo of {a}({cls}) and {a}({cls})")),
+            ("counting", re.compile(rf"a photo of ({'|'.join(NUMBERS[2:])}) ({plural})")),
+            ("colors", re.compile(rf"a photo of {a}({col}) ({cls})")),
+            ("single_object", re.compile(rf"a photo of {a}({cls})"))]
+
+
+def parse_prompt(prompt: str) -> dict[str, Any] | None:
+    """The GenEval record of a prompt written by GenEval's templates (``create_prompts.py``; Flow-GRPO's GenEval
+    training prompts use the same), or None for any other text: how the ``geneval`` reward knows what to check."""
+    text = prompt.strip()
+    for tag, pattern in _PATTERNS:
+        m = pattern.fullmatch(text)
+        if m is None:
+            continue
+        g = m.groups()
+        if tag == "color_attr":
+            return {"tag": tag, "include": [{"class": g[1], "count": 1, "color": g[0]},
+                                            {"class": g[3], "count": 1, "color": g[2]}], "prompt": text}
+        if tag == "position":
+            return {"tag": tag, "include": [{"class": g[2], "count": 1},
+                                            {"class": g[0], "count": 1, "position": [g[1], 0]}], "prompt": text}
+        if tag == "two_object":
+            return {"tag": tag, "include": [{"class": g[0], "count": 1}, {"class": g[1], "count": 1}],
+                    "prompt": text}
+        if tag == "counting":
+            k, name = NUMBERS.index(g[0]), next(o for o in OBJECTS if _plural(o) == g[1])
+            return {"tag": tag, "include": [{"class": name, "count": k}], "exclude": [{"class": name, "count": k + 1}],
+                    "prompt": text}
+        if tag == "colors":
+            return {"tag": tag, "include": [{"class": g[1], "count": 1, "color": g[0]}], "prompt": text}
+        return {"tag": tag, "include": [{"class": g[0], "count": 1}], "prompt": text}
+    return None
+
+
+_PATTERNS = _prompt_patterns()
+
+
+def record_classes(record: Mapping[str, Any]) -> list[str]:
+    """The classes a record names (include, then exclude), each once: what a detector is asked for."""
+    return list(dict.fromkeys(item["class"] for key in ("include", "exclude") for item in record.get(key, [])))
+
+
 # ------------------------------------------------------------------------------------------------ detections
 @dataclass(frozen=True)
 class Detection:
@@ -322,13 +374,13 @@ def reward(record: Mapping[str, Any], kept: Mapping[str, Sequence[Detection]], c
 
 
 # ------------------------------------------------------------------------------------------------ summary
-def summarize(results: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """summary_scores.py l.40-45: per task the mean of ``correct`` over its images, ``overall`` the unweighted mean
-    of the task scores; each with its image count and a 95% interval (normal approximation over images; overall's
-    from the tasks' variances, each task weighted 1/6)."""
+def summarize(results: Iterable[Mapping[str, Any]], key: str = "correct") -> dict[str, Any]:
+    """summary_scores.py l.40-45: per task the mean of ``key`` (GenEval's ``correct``, as 0/1) over its images,
+    ``overall`` the unweighted mean of the task scores; each with its image count and a 95% interval (normal
+    approximation over images; overall's from the tasks' variances, each task weighted 1/6)."""
     by_task: dict[str, list[float]] = {}
     for r in results:
-        by_task.setdefault(r["tag"], []).append(float(bool(r["correct"])))
+        by_task.setdefault(r["tag"], []).append(float(r[key]))
     out: dict[str, Any] = {}
     var_sum = 0.0
     for tag in [t for t in TASKS if t in by_task]:

@@ -29,6 +29,9 @@ Families and their flags (keyword arguments of ``build_reward`` carry the flag n
                           preservation check (nothing else changed); also logs toyworld_edit_strict/_instruction/_preserve
   toyworld_edit_strict    (no weights) its strict check alone: 1 when the instruction is carried out and nothing else
                           changed
+  geneval                 --geneval_detector_path, --geneval_clip_path: Flow-GRPO's GenEval reward on GenEval-template
+                          prompts (fastvideo.rewards.geneval): score = the partial score; also logs geneval_strict and
+                          geneval_correct
   toyworld_clean          (no weights) toy-world cleanliness, whatever the prompt (what toyworld does not see):
                           score = mean of background fidelity, stray pixels and colour purity; also logs
                           toyworld_clean_background/_stray/_purity (fastvideo.toyworld.clean); for --eval_reward
@@ -43,6 +46,9 @@ component is logged as ``FAMILY[.LABEL]`` (a label tells two servers of one fami
   vlm_judge               a vision-language model behind an OpenAI-compatible chat server (fastvideo.rewards.vlm_judge):
                           --judge_model, --judge_template, --judge_score, --judge_max_score, --judge_max_concurrency,
                           --reward_timeout_s, --reward_retries
+  geneval_vqa             GenEval 2's Soft-TIFA on GenEval-template prompts through that chat server
+                          (fastvideo.rewards.geneval): --judge_model, --judge_max_concurrency, --reward_timeout_s,
+                          --reward_retries; score = mean P(yes) over the atom questions, also logs geneval_vqa_gm
 Their bearer token comes from the environment variable FASTVIDEO_REWARD_TOKEN only (flags are written to config.json).
 """
 from __future__ import annotations
@@ -107,6 +113,10 @@ REWARDS: dict[str, BuiltinReward] = {
     "toyworld_edit": BuiltinReward("fastvideo.rewards.toyworld", "build_edit", prompt_check="check_edit_prompts"),
     "toyworld_edit_strict": BuiltinReward("fastvideo.rewards.toyworld", "build_edit_strict",
                                           prompt_check="check_edit_prompts"),
+    "geneval": BuiltinReward("fastvideo.rewards.geneval", prompt_check="check_prompts",
+                             paths=(("geneval_detector_path", "dir", "an OWLv2 or Grounding DINO transformers folder"),
+                                    ("geneval_clip_path", "dir", "a transformers CLIP folder, "
+                                                                 "openai/clip-vit-large-patch14"))),
 }
 # What every RewardFn result adds beside the rewards, logged and never trained on: a video's frame-to-frame change
 # (``score_video``) and an edit's distance from its source (``score_edits``).
@@ -119,6 +129,8 @@ _URL_REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "vlm_judge": ("fastvideo.rewards.vlm_judge", "build",
                   ("judge_model", "judge_template", "judge_score", "judge_max_score", "judge_max_concurrency",
                    "reward_timeout_s", "reward_retries")),
+    "geneval_vqa": ("fastvideo.rewards.geneval", "build_vqa",
+                    ("judge_model", "judge_max_concurrency", "reward_timeout_s", "reward_retries")),
 }
 REWARD_NAMES: tuple[str, ...] = tuple(REWARDS)  # the rewards computed in this process
 URL_REWARD_NAMES: tuple[str, ...] = tuple(_URL_REGISTRY)
@@ -305,6 +317,10 @@ def check_reward_prompts(spec: str, prompts: Sequence[str], source: str, *, judg
                 from .vlm_judge import check_prompts
 
                 check_prompts(prompts, judge_score)
+            elif item.family == "geneval_vqa":
+                from fastvideo.bench.geneval import check_prompts as check_geneval
+
+                check_geneval(prompts, item.name)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
 
@@ -519,7 +535,8 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  pickscore_model: str | None = None, pickscore_processor: str | None = None,
                  clip_checkpoint: str | None = None, clip_model: str = "ViT-H-14",
                  aesthetic_checkpoint: str | None = None, aesthetic_clip_checkpoint: str | None = None,
-                 aesthetic_clip_model: str = "ViT-L-14-quickgelu", batch_size: int = 0,
+                 aesthetic_clip_model: str = "ViT-L-14-quickgelu", geneval_detector_path: str | None = None,
+                 geneval_clip_path: str | None = None, batch_size: int = 0,
                  reward_timeout_s: float = 120.0, reward_retries: int = 2, remote_batch_size: int = 0,
                  remote_max_concurrency: int = 4, judge_model: str | None = None, judge_template: str | None = None,
                  judge_score: str = "yes_no", judge_max_score: float = 10.0, judge_max_concurrency: int = 8,
@@ -546,7 +563,8 @@ def build_reward(spec: str, device: str | torch.device = "cpu", *, hps_checkpoin
                  pickscore_model=pickscore_model, pickscore_processor=pickscore_processor,
                  clip_checkpoint=clip_checkpoint, clip_model=clip_model,
                  aesthetic_checkpoint=aesthetic_checkpoint, aesthetic_clip_checkpoint=aesthetic_clip_checkpoint,
-                 aesthetic_clip_model=aesthetic_clip_model)
+                 aesthetic_clip_model=aesthetic_clip_model, geneval_detector_path=geneval_detector_path,
+                 geneval_clip_path=geneval_clip_path)
     check_reward_paths(spec, judge_template=judge_template, **paths)  # fail fast, before loading anything heavy
     built: list[tuple[str, float, Scorer]] = []
     options = parse_reward_options(reward_options)
@@ -580,12 +598,13 @@ class RewardOptions:
     reward: str = opt("hpsv2:1.0", "weighted rewards, e.g. 'hpsv2:1.0,jpeg_compressibility:0.5' "
                                    "(hpsv2, pickscore, clipscore, aesthetic, jpeg_compressibility, "
                                    "jpeg_incompressibility, toyworld, toyworld_strict, toyworld_clean, "
-                                   "toyworld_motion, toyworld_motion_strict, toyworld_edit, toyworld_edit_strict; "
+                                   "toyworld_motion, toyworld_motion_strict, toyworld_edit, toyworld_edit_strict, "
+                                   "geneval; "
                                    "weight 0 "
                                    "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
-                                   "fastvideo.rewards.serve), and vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
-                                   "as judge; replicas http://A:PORT|http://B:PORT, a second server of one kind "
+                                   "fastvideo.rewards.serve), vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
+                                   "as judge, and geneval_vqa:http://HOST:PORT[:WEIGHT], GenEval 2's Soft-TIFA by one; replicas http://A:PORT|http://B:PORT, a second server of one kind "
                                    "remote.LABEL:URL; token: the FASTVIDEO_REWARD_TOKEN variable; "
                                    "docs/reward-serving.md; your own: package.module:factory[:WEIGHT], "
                                    "docs/rewards.md)")
@@ -628,6 +647,10 @@ class RewardOptions:
     aesthetic_checkpoint: str | None = opt(None, "LAION aesthetic MLP weights for the aesthetic reward")
     aesthetic_clip_checkpoint: str | None = opt(
         None, "CLIP ViT-L/14 for the aesthetic reward: a transformers CLIP folder or an open_clip checkpoint")
+    geneval_detector_path: str | None = opt(None, "the geneval reward's detector: a local OWLv2 or Grounding DINO "
+                                                  "transformers folder (docs/benchmarks.md)")
+    geneval_clip_path: str | None = opt(None, "the geneval reward's colour head: a local transformers CLIP folder "
+                                              "(openai/clip-vit-large-patch14, GenEval's)")
     frame_reduce: str = opt("mean", "videos: how a reward's per-frame scores become the video's: mean | min over the "
                                     "--reward_frames frames, or first | last (that frame only); every image reward "
                                     "scores frames as images (docs/video.md)", choices=FRAME_REDUCES)
