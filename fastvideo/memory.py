@@ -615,6 +615,11 @@ def _plan(args: argparse.Namespace, world_size: int, device_type: str, *, micro_
         names += [name for name, _ in parse_eval_reward_spec(args.eval_reward, args.reward)]
     for name in names:
         params = REWARD_PARAMS.get(name, 0)
+        if name == "geneval":  # its detector's and colour head's parameters, from their folders' configs
+            from fastvideo.bench.detect import parameter_count
+
+            params = sum(parameter_count(p) for p in (getattr(args, "geneval_detector_path", None),
+                                                      getattr(args, "geneval_clip_path", None)) if p)
         if params:
             items.append(PlanItem(f"reward model {name} (fp32, frozen)", 4 * params, phase="persistent",
                                   note=f"{params / 1e6:.0f}M params"))

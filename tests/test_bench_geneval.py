@@ -136,6 +136,12 @@ def test_bench_end_to_end_on_a_tiny_flux(tiny_flux_dir, tiny_models, tmp_path, c
             _bench(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "c" / "samples").exists()
+    from fastvideo.tiny import build_preset
+
+    kontext = build_preset(tmp_path / "kontext", "flux-kontext-tiny")
+    with pytest.raises(SystemExit):
+        _bench(["--pretrained_model_name_or_path", str(kontext), *common[2:], "--output_dir", str(tmp_path / "g")])
+    assert "is an image-editing model; GenEval scores text-to-image models" in capsys.readouterr().err
 
 
 def test_list_prompts_prints_the_553(capsys, tmp_path):
@@ -177,3 +183,22 @@ def _scorer(paths: dict[str, str]) -> G.DetectorScorer:
 
     return G.DetectorScorer(load_detector(paths["geneval_detector_path"], torch.device("cpu")),
                             ClipColours(paths["geneval_clip_path"], torch.device("cpu")))
+
+
+def test_memory_plan_counts_the_geneval_reward_models(tiny_models, tiny_flux_dir):
+    """--dry_run's plan holds the detector's and the colour head's fp32 weights, counted from their configs on the
+    meta device; the count equals the loaded models' own."""
+    from transformers import CLIPModel, Owlv2ForObjectDetection
+
+    from fastvideo.memory import plan_grpo
+    from fastvideo.objectives import parse_grpo_args, validate_grpo
+
+    args = parse_grpo_args(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--dry_run", "--h", "64", "--w",
+                            "64", "--prompts_per_step", "16", "--num_generations", "2", "--reward", "geneval:1.0",
+                            "--geneval_detector_path", str(tiny_models["owlv2-tiny"]),
+                            "--geneval_clip_path", str(tiny_models["clip-tiny"])])
+    plan = plan_grpo(args, validate_grpo(args, 8), 8, "cuda")
+    item = next(i for i in plan.items if i.name == "reward model geneval (fp32, frozen)")
+    loaded = sum(sum(p.numel() for p in cls.from_pretrained(tiny_models[name]).parameters())
+                 for cls, name in ((Owlv2ForObjectDetection, "owlv2-tiny"), (CLIPModel, "clip-tiny")))
+    assert item.device == 4 * loaded

@@ -92,7 +92,8 @@ def test_parse_reward_spec():
     assert parse_reward_spec(" pickscore , aesthetic: -2e-1 ") == [("pickscore", 1.0), ("aesthetic", -0.2)]
     assert set(REWARD_NAMES) == {"hpsv2", "pickscore", "clipscore", "aesthetic", "jpeg_compressibility",
                                  "jpeg_incompressibility", "toyworld", "toyworld_clean", "toyworld_strict",
-                                 "toyworld_motion", "toyworld_motion_strict", "toyworld_edit", "toyworld_edit_strict"}
+                                 "toyworld_motion", "toyworld_motion_strict", "toyworld_edit", "toyworld_edit_strict",
+                                 "geneval"}
 
 
 @pytest.mark.parametrize("spec, match", [

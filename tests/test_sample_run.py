@@ -255,3 +255,28 @@ def test_bad_inputs_fail_before_anything_loads(full_run, heldout, tmp_path):
                           [str(config)]) == {"run_dir", "w", "num_inference_steps", "h", "seed"}
     args = sample.parse_args(["--run_dir", str(full_run), "--config", str(config), "--output_dir", str(tmp_path / "c")])
     assert (args.h, args.w, args.seed, args.num_inference_steps) == (32, 64, 5, 3)
+
+
+def test_geneval_bench_on_a_run_and_its_base(lora_run, tmp_path, capsys):
+    """``python -m fastvideo.bench geneval --run_dir OUT [--base]``: the run's export and settings (its size, sampler
+    and text length; not its reward) into OUT/geneval/final, the base model into OUT/geneval/base, and --compare
+    pairs them image by image (tiny random detector: the plumbing, not the scores)."""
+    from fastvideo.bench import cli
+    from fastvideo.bench.tiny_detectors import build_clip_tiny, build_owlv2_tiny
+
+    flags = ["--detector_path", str(build_owlv2_tiny(tmp_path / "owl")), "--clip_path",
+             str(build_clip_tiny(tmp_path / "clip")), "--per_task", "1", "--num_images_per_prompt", "1"]
+    try:
+        cli.main(["geneval", "--run_dir", str(lora_run), "--base", *flags])
+        cli.main(["geneval", "--run_dir", str(lora_run), *flags, "--compare", str(lora_run / "geneval" / "base")])
+        base, final = lora_run / "geneval" / "base", lora_run / "geneval" / "final"
+        configs = [json.loads((d / "samples" / "config.json").read_text()) for d in (base, final)]
+        assert configs[0]["lora_path"] is None and configs[1]["lora_path"] == str(lora_run / "final")
+        assert all(c["h"] == c["w"] == 64 and c["num_inference_steps"] == 3 and c["shift"] == 2 and
+                   c["reward"] is None for c in configs)
+        assert len(_rows(final / "samples")) == 6 and (final / "summary.json").is_file()
+        paired = json.loads((final / "compare.json").read_text())
+        assert paired["base"] == str(base) and "overall" in paired["tasks"]
+        assert f"--run_dir {lora_run}: LoRA" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(lora_run / "geneval", ignore_errors=True)  # the module's run stays as the other tests expect

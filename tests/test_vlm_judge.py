@@ -355,14 +355,20 @@ def test_logprobs_in_vllm_format(server, local):
     assert plain["choices"][0]["logprobs"] is None
 
 
-def _reference_p_yes(local, pixels, text: str) -> float:
-    """P(yes) / (P(yes) + P(no)) of the model's first token in this process, over its 20 most likely tokens."""
+def _reference_top(local, pixels, text: str) -> list[tuple[str, float]]:
+    """The model's 20 most likely first tokens in this process, as (lower-case word, probability)."""
     processor, model = local
     with torch.no_grad():
         logits = model(**_inputs(local, pixels, text)).logits[0, -1]
     top = torch.log_softmax(logits.float(), -1).topk(20)
     words = [processor.tokenizer.decode([i]).strip().lower() for i in top.indices.tolist()]
-    p = {w: sum(math.exp(v) for v, x in zip(top.values.tolist(), words) if x == w) for w in ("yes", "no")}
+    return [(w, math.exp(v)) for w, v in zip(words, top.values.tolist())]
+
+
+def _reference_p_yes(local, pixels, text: str) -> float:
+    """P(yes) / (P(yes) + P(no)) of the model's first token in this process, over its 20 most likely tokens."""
+    top = _reference_top(local, pixels, text)
+    p = {w: sum(v for x, v in top if x == w) for w in ("yes", "no")}
     assert p["yes"] > 0 and p["no"] > 0
     return p["yes"] / (p["yes"] + p["no"])
 
@@ -555,9 +561,10 @@ def test_judge_sees_a_videos_frames_in_one_request(server, local, token):
 
 
 def test_geneval_vqa_is_soft_tifa_over_the_atom_questions(server, local, token):
-    """``geneval_vqa:URL`` (GenEval 2's Soft-TIFA): each image's atom questions (object, count, colour, relation)
-    answered by the judge; the reward is the mean P(yes), ``geneval_vqa_gm`` the geometric mean, each P(yes) equal to
-    the model's own in this process."""
+    """``geneval_vqa:URL`` (GenEval 2's Soft-TIFA): each image's atom questions (count, colour, object, position)
+    asked with " Answer in one word."; an atom scores the model's probability of the right answer's first token
+    (every spelling: "yes"/" Yes"; "two"/"2"), equal to the model's own in this process; the reward is the mean
+    (AM), ``geneval_vqa_gm`` the geometric mean."""
     from fastvideo.bench import geneval as G
     from fastvideo.bench import geneval_rules as R
 
@@ -565,13 +572,18 @@ def test_geneval_vqa_is_soft_tifa_over_the_atom_questions(server, local, token):
     prompts = ["a photo of two dogs", "a photo of a red cup and a blue clock", "a photo of a cat left of a dog"]
     out = build_reward(f"geneval_vqa:{server}/v1:1.0", "cpu")(images, prompts)
     questions = [G.atoms(R.parse_prompt(p)) for p in prompts]
-    assert [[k for k, _ in q] for q in questions] == [["object", "count"], ["object", "attribute"] * 2,
-                                                      ["object", "object", "relation"]]
-    assert questions[2][2][1] == "Is the cat left of the dog?"
+    assert [[k for k, _, _ in q] for q in questions] == [["count", "object"], ["count", "attribute", "object"] * 2,
+                                                         ["count", "object", "count", "object", "position"]]
+    assert questions[0][0][1:] == ("How many dogs are in the image?", ("two", "2"))
+    assert questions[2][4][1] == "Is the cat to the left of the dog?" and G.english_plural("person") == "people"
+    seen = 0.0
     for j, (pixels, q) in enumerate(zip(_pixels(images), questions)):
-        p = [_reference_p_yes(local, pixels, G.QUESTION.replace("{prompt}", text)) for _, text in q]
+        p = [sum(v for w, v in _reference_top(local, pixels, G.QUESTION.replace("{prompt}", text)) if w in answers)
+             for _, text, answers in q]
+        seen += sum(p)
         assert out["geneval_vqa"][j].item() == pytest.approx(sum(p) / len(p), abs=1e-5)
         assert out["geneval_vqa_gm"][j].item() == pytest.approx(math.prod(p) ** (1 / len(p)), abs=1e-5)
+    assert seen > 0.1  # the right answers are among the tiny judge's likely tokens: the scores are not all 0
 
 
 def test_bench_scores_soft_tifa_through_the_server(server, token, tiny_flux_dir, tmp_path):
@@ -586,8 +598,8 @@ def test_bench_scores_soft_tifa_through_the_server(server, token, tiny_flux_dir,
     rows = [json.loads(line) for line in (tmp_path / "vqa" / "results.jsonl").read_text().splitlines()]
     assert [r["tag"] for r in rows] == list(R.TASKS) and summary["scorer"] == "vqa"
     for row in rows:
-        p = [a["p_yes"] for a in row["atoms"]]
-        assert row["soft_tifa"] == pytest.approx(sum(p) / len(p), abs=1e-6) and 0 < row["soft_tifa"] < 1
+        p = [a["p"] for a in row["atoms"]]
+        assert row["soft_tifa"] == pytest.approx(sum(p) / len(p), abs=1e-6) and 0 <= row["soft_tifa"] <= 1
     assert summary["overall"]["score"] == pytest.approx(sum(r["soft_tifa"] for r in rows) / 6)
-    assert set(summary["atoms"]) == {"object", "count", "attribute", "relation"}
+    assert set(summary["atoms"]) == {"count", "attribute", "object", "position"}
     assert (tmp_path / "vqa" / "failures.png").is_file()

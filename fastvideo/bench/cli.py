@@ -79,6 +79,7 @@ def _given(argv: Sequence[str], flag: str) -> bool:
 def prepare(argv: Sequence[str]) -> dict[str, Any]:
     """Every flag, path and folder checked, nothing loaded: the records, the sample.py arguments, the scorer's
     settings and the --compare rows (ValueError / FileNotFoundError naming the fix)."""
+    from fastvideo import models
     from fastvideo.data import atomic_write_text
     from fastvideo.evaluation import validate_sample
     from fastvideo.record import read_jsonl
@@ -139,6 +140,11 @@ def prepare(argv: Sequence[str]) -> dict[str, Any]:
     args, taken = parse_run_args(sample_argv)
     args.reward = args.eval_reward = None  # the bench scores GenEval alone (sample.py --reward scores the others)
     base = validate_sample(args)
+    family = models.family_for(args)
+    if family.video or family.edit:
+        raise ValueError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is "
+                         f"{'a video' if family.video else 'an image-editing'} model; GenEval scores text-to-image models "
+                         "(sample a video or edit model with sample.py and score it with --reward)")
     return {"bench": bench, "records": records, "args": args, "taken": taken, "base": base, "out": out,
             "thresholds": thresholds, "base_rows": base_rows}
 
@@ -155,6 +161,7 @@ def build_scorer(plan: dict[str, Any], device: Any) -> G.DetectorScorer | G.Soft
 
     args = plan["args"]
     return G.SoftTifaScorer(vlm_judge.build(bench.scorer[4:], judge_model=bench.judge_model,
+                                            judge_max_concurrency=args.judge_max_concurrency,
                                             reward_timeout_s=args.reward_timeout_s,
                                             reward_retries=args.reward_retries))
 

@@ -47,6 +47,24 @@ def detector_kind(path: str | Path, flag: str = "--detector_path") -> str:
     return _MODEL_TYPES[model_type]
 
 
+def parameter_count(path: str | Path) -> int:
+    """Parameters of the detector or CLIP model in ``path``, from its config.json alone (built on the meta device):
+    what the memory plan counts for the ``geneval`` reward; 0 when the folder has no readable config."""
+    from transformers import AutoConfig, CLIPModel, GroundingDinoForObjectDetection, Owlv2ForObjectDetection
+
+    classes = {"owlv2": Owlv2ForObjectDetection, "grounding-dino": GroundingDinoForObjectDetection,
+               "clip": CLIPModel}
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return 0
+    if config.model_type not in classes:
+        return 0
+    with torch.device("meta"):
+        model = classes[config.model_type](config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def check_clip_path(path: str | Path | None, flag: str = "--clip_path") -> Path:
     """The CLIP folder of the colour head (FileNotFoundError naming ``flag`` and the fix)."""
     if path is None or not (Path(path) / "config.json").is_file():
@@ -55,8 +73,9 @@ def check_clip_path(path: str | Path | None, flag: str = "--clip_path") -> Path:
     return Path(path)
 
 
-def _cpu_images(images: torch.Tensor) -> list[torch.Tensor]:
-    """(B, 3, H, W) in [0, 1] -> B float32 CPU images on the 1/255 grid (what a saved PNG holds)."""
+def cpu_images(images: torch.Tensor) -> list[torch.Tensor]:
+    """(B, 3, H, W) in [0, 1] -> B float32 CPU images on the 1/255 grid (what a saved PNG holds): the processors'
+    input and the colour crops' source."""
     x = images.detach().float().clamp(0, 1).mul(255).round().div(255).cpu()
     return list(x)
 
@@ -79,7 +98,7 @@ class Owlv2Detector:
     def __call__(self, images: torch.Tensor, classes: Sequence[Sequence[str]] | None = None
                  ) -> list[dict[str, list[Detection]]]:
         out: list[dict[str, list[Detection]]] = []
-        pictures = _cpu_images(images)
+        pictures = cpu_images(images)
         for start in range(0, len(pictures), self.batch_size):
             chunk = pictures[start:start + self.batch_size]
             inputs = self.processor(text=[self.queries] * len(chunk), images=chunk, return_tensors="pt",
@@ -123,7 +142,7 @@ class GroundingDinoDetector:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, classes: Sequence[Sequence[str]]) -> list[dict[str, list[Detection]]]:
         out: list[dict[str, list[Detection]]] = []
-        pictures = _cpu_images(images)
+        pictures = cpu_images(images)
         for start in range(0, len(pictures), self.batch_size):
             chunk, names = pictures[start:start + self.batch_size], [list(dict.fromkeys(c))
                                                                      for c in classes[start:start + self.batch_size]]
@@ -159,7 +178,9 @@ def load_detector(path: str | Path, device: torch.device, batch_size: int = 8, k
 
 
 class ClipColours:
-    """GenEval's colour head on a transformers CLIP: ``colours(crops, class names) -> colour names``."""
+    """GenEval's colour head on a transformers CLIP: ``colours(crops, class names) -> colour names``
+    (djghosh13/geneval evaluation/evaluate_images.py at 16f1681: colours l.76, templates l.114-116, the classifier
+    and its argmax l.109-127; GenEval's model is open_clip ViT-L-14 "openai", l.66-68)."""
 
     def __init__(self, path: str | Path, device: torch.device, batch_size: int = 64):
         from transformers import CLIPModel, CLIPProcessor  # heavy

@@ -71,10 +71,10 @@ class DetectorScorer:
     def score(self, images: torch.Tensor, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Rows for a batch (B, 3, H, W) in [0, 1] and its B records: one detector pass, one colour pass over every
         kept box of a class that has a colour to check."""
-        from fastvideo.bench.detect import crop
+        from fastvideo.bench.detect import cpu_images, crop
 
         t = self.thresholds
-        pictures = images.detach().float().clamp(0, 1).cpu()
+        pictures = cpu_images(images)  # the crops are cut from the 8-bit image, as GenEval's PIL crops are
         found = self.detector(images, [R.record_classes(r) for r in records])
         kept = [R.keep_detections(d, r["tag"], threshold=t.threshold, counting_threshold=t.counting_threshold,
                                   max_objects=t.max_objects, nms_threshold=t.nms_threshold)
@@ -101,52 +101,85 @@ class DetectorScorer:
 
 
 # ------------------------------------------------------------------------------------------------ Soft-TIFA
-ATOM_TYPES = ("object", "count", "attribute", "relation")
-QUESTION = "{prompt} Please answer yes or no."  # the judge's template: the atom question is its {prompt}
+# GenEval 2's Soft-TIFA (facebookresearch/GenEval2 evaluation.py at a6e82d2, ``soft_tifa`` l.131-147 and
+# ``send_message_with_image`` l.73-100; questions as its geneval2_data.jsonl writes them): per object a count question
+# ("How many dogs are in the image?", answered with the number word or digit), its attribute ("Is the cup red?") and
+# an object question ("Are there any dogs in the image?"); per relation a position question. Each is asked with
+# " Answer in one word."; its score is the probability the VLM gives the right answer's first token (every spelling
+# summed; not normalised against "no"). AM = the mean of a prompt's atom scores, GM = their geometric mean.
+ATOM_TYPES = ("count", "attribute", "object", "position")  # GenEval 2's skills
+QUESTION = "{prompt} Answer in one word."
+_IRREGULAR = {"person": "people", "sheep": "sheep", "knife": "knives", "computer mouse": "computer mice",
+              "skis": "skis", "scissors": "scissors"}
+_RELATION = {"left of": "to the left of", "right of": "to the right of", "above": "above", "below": "below"}
 
 
-def atoms(record: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """GenEval 2-style atom questions of a record, (type, question): per include item an object question (a count
-    question beside it for two or more), its colour as an attribute question, its position as a relation question to
-    the named group."""
+def english_plural(name: str) -> str:
+    """The English plural of a GenEval class for a question (GenEval's own prompts say "persons", "benchs")."""
+    if name in _IRREGULAR:
+        return _IRREGULAR[name]
+    return name + ("es" if name.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def atoms(record: Mapping[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
+    """A record's atoms as GenEval 2 asks them: ``(skill, question, right answers)``; per include item its count,
+    colour and object questions, then its relation to the named group."""
     out = []
     for item in record["include"]:
         name, count = item["class"], item["count"]
-        if count == 1:
-            out.append(("object", f"Is there {R._article(name)} in the image?"))
-        else:
-            out.append(("object", f"Are there {R._plural(name)} in the image?"))
-            out.append(("count", f"Are there exactly {R.NUMBERS[count]} {R._plural(name)} in the image?"))
+        many = english_plural(name)
+        the = f"Is the {name}" if count == 1 else f"Are the {many}"
+        out.append(("count", f"How many {many} are in the image?", (R.NUMBERS[count], str(count))))
         if "color" in item:
-            out.append(("attribute", f"Is the {name} {item['color']}?"))
+            out.append(("attribute", f"{the} {item['color']}?", ("yes",)))
+        out.append(("object", f"Are there any {many} in the image?", ("yes",)))
         if "position" in item:
             rel, group = item["position"]
-            out.append(("relation", f"Is the {name} {rel} the {record['include'][group]['class']}?"))
+            other = record["include"][group]
+            target = other["class"] if other["count"] == 1 else english_plural(other["class"])
+            out.append(("position", f"{the} {_RELATION[rel]} the {target}?", ("yes",)))
     return out
 
 
+def _geometric_mean(values: Sequence[float]) -> float:
+    return 0.0 if min(values) <= 0 else math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 class SoftTifaScorer:
-    """Soft-TIFA through a ``vlm_judge`` client: every atom question of every image in one batch of requests, the
-    judge's P(yes) per atom (from its first token's logprobs), a row per image: ``soft_tifa`` = the atoms' mean (the
-    prompt's score), ``soft_tifa_gm`` = their geometric mean, and the mean per atom type."""
+    """Soft-TIFA through a ``vlm_judge`` client: every atom question of every image in one batch of requests, each
+    atom's score the probability of its right answer among the first token's top logprobs (a server without
+    logprobs: 1 when the reply's first word is right, else 0, counted in ``text_answers``), a row per image:
+    ``soft_tifa`` (AM, GenEval 2's atom-level score), ``soft_tifa_gm`` (GM, its prompt-level score) and the mean per
+    skill (``atom_<skill>``)."""
 
     def __init__(self, judge: Any):
-        self.judge = dataclasses.replace(judge, template=QUESTION, mode="yes_no")
+        self.judge = dataclasses.replace(judge, template=QUESTION, mode="yes_no")  # yes_no: logprobs are asked for
 
     def score(self, images: torch.Tensor, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Rows for a batch (B, 3, H, W) in [0, 1] and its B records."""
+        from fastvideo.rewards._common import to_grey_levels
+        from fastvideo.rewards.vlm_judge import _word, answer_mass
+
         questions = [atoms(r) for r in records]
+        pixels = to_grey_levels(images.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()
         index = [i for i, q in enumerate(questions) for _ in q]
-        answers = self.judge(images[index], [text for q in questions for _, text in q])["score"].tolist()
+        replies = self.judge.replies(pixels[index], [text for q in questions for _, text, _ in q])
         rows, at = [], 0
         for record, q in zip(records, questions):
-            p = answers[at:at + len(q)]
+            p, from_text = [], 0
+            for (_, _, answers), (reply, top) in zip(q, replies[at:at + len(q)]):
+                if top:
+                    p.append(sum(answer_mass(top, answers).values()))
+                else:
+                    from_text += 1
+                    p.append(float(_word(reply.split()[0] if reply.split() else "") in answers))
             at += len(q)
-            rows.append({"tag": record["tag"], "soft_tifa": sum(p) / len(p),
-                         "soft_tifa_gm": math.exp(sum(math.log(max(v, 1e-12)) for v in p) / len(p)),
-                         **{f"atom_{kind}": sum(v for (k, _), v in zip(q, p) if k == kind) /
-                            sum(1 for k, _ in q if k == kind) for kind in ATOM_TYPES if any(k == kind for k, _ in q)},
-                         "atoms": [{"type": k, "question": text, "p_yes": round(v, 6)} for (k, text), v in zip(q, p)]})
+            rows.append({"tag": record["tag"], "soft_tifa": sum(p) / len(p), "soft_tifa_gm": _geometric_mean(p),
+                         **{f"atom_{kind}": sum(v for (k, _, _), v in zip(q, p) if k == kind) /
+                            sum(1 for k, _, _ in q if k == kind) for kind in ATOM_TYPES if any(k == kind for k, _, _ in q)},
+                         "text_answers": from_text,
+                         "atoms": [{"type": k, "question": text, "answer": answers[0], "p": round(v, 6)}
+                                   for (k, text, answers), v in zip(q, p)]})
         return rows
 
 
@@ -162,7 +195,7 @@ def summary(rows: Sequence[Mapping[str, Any]], scorer: str) -> dict[str, Any]:
     out: dict[str, Any] = {"scorer": scorer, "num_images": len(rows), **R.summarize(rows, keys[0])}
     out["by_key"] = {key: {t: v["score"] for t, v in R.summarize(rows, key).items()} for key in keys[1:]}
     if scorer == "vqa":
-        per_type = {k: [a["p_yes"] for r in rows for a in r["atoms"] if a["type"] == k] for k in ATOM_TYPES}
+        per_type = {k: [a["p"] for r in rows for a in r["atoms"] if a["type"] == k] for k in ATOM_TYPES}
         out["atoms"] = {k: {"score": sum(v) / len(v), "n": len(v)} for k, v in per_type.items() if v}
     return out
 
@@ -214,7 +247,7 @@ def failure_grid(out: Path, rows: Sequence[Mapping[str, Any]], samples: Path, pe
             x = 110 + j * (cell + 4)
             with Image.open(samples / row["path"]) as img:
                 canvas.paste(img.convert("RGB").resize((cell, cell), Image.LANCZOS), (x, y))
-            why = row.get("reason") or min(row.get("atoms", []), key=lambda a: a["p_yes"], default={}).get("question", "")
+            why = row.get("reason") or min(row.get("atoms", []), key=lambda a: a["p"], default={}).get("question", "")
             text = textwrap.wrap(row["prompt"], 30)[:2] + textwrap.wrap(str(why), 30)[:3]
             for k, line in enumerate(text):
                 draw.text((x, y + cell + 2 + 12 * k), line, fill="black" if k < 2 else "darkred")

@@ -48,7 +48,7 @@ component is logged as ``FAMILY[.LABEL]`` (a label tells two servers of one fami
                           --reward_timeout_s, --reward_retries
   geneval_vqa             GenEval 2's Soft-TIFA on GenEval-template prompts through that chat server
                           (fastvideo.rewards.geneval): --judge_model, --judge_max_concurrency, --reward_timeout_s,
-                          --reward_retries; score = mean P(yes) over the atom questions, also logs geneval_vqa_gm
+                          --reward_retries; score = Soft-TIFA AM over the atom questions, also logs geneval_vqa_gm
 Their bearer token comes from the environment variable FASTVIDEO_REWARD_TOKEN only (flags are written to config.json).
 """
 from __future__ import annotations

@@ -6,8 +6,9 @@ colour and position terms; counts are exact), logged beside it ``geneval_strict`
 (GenEval's benchmark check). Flags: ``--geneval_detector_path`` (OWLv2 or Grounding DINO folder, the kind read from
 its config.json) and ``--geneval_clip_path`` (the colour head's CLIP folder). ``geneval_vqa:URL`` asks a VLM the
 prompt's atom questions (GenEval 2's Soft-TIFA, through the ``vlm_judge`` client and its --judge_* flags): score =
-the mean P(yes) over the atoms, logged beside it ``geneval_vqa_gm`` (their geometric mean). Both refuse a prompt that
-GenEval's templates did not write before any model loads. The rules and their sources: fastvideo.bench.geneval_rules.
+the mean probability of the atoms' right answers (Soft-TIFA AM), logged beside it ``geneval_vqa_gm`` (their
+geometric mean, GM). Both refuse a prompt that GenEval's templates did not write before any model loads. The rules
+and their sources: fastvideo.bench.geneval_rules and fastvideo.bench.geneval.
 """
 from __future__ import annotations
 

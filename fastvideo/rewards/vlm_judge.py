@@ -134,10 +134,11 @@ def _word(token: Any) -> str:
     return token.strip().strip(".,:;!*\"'").lower() if isinstance(token, str) else ""
 
 
-def yes_no_from_logprobs(candidates: Sequence[Any]) -> float | None:
-    """P(yes) / (P(yes) + P(no)) over ``[{"token", "logprob"}, ...]`` (every spelling summed); None when neither word
-    is among them. A log-probability that is not a finite number <= 0 (a broken server) is a ValueError naming it."""
-    mass = {"yes": 0.0, "no": 0.0}
+def answer_mass(candidates: Sequence[Any], words: Sequence[str]) -> dict[str, float]:
+    """The probability of each of ``words`` (lower case) among ``[{"token", "logprob"}, ...]``, every spelling summed
+    (" Yes", "yes." -> "yes"). A log-probability that is not a finite number <= 0 (a broken server) is a ValueError
+    naming it."""
+    mass = {w: 0.0 for w in words}
     for entry in candidates:
         if isinstance(entry, dict) and _word(entry.get("token")) in mass and \
                 isinstance(entry.get("logprob"), (int, float)) and not isinstance(entry.get("logprob"), bool):
@@ -146,6 +147,13 @@ def yes_no_from_logprobs(candidates: Sequence[Any]) -> float | None:
                 raise ValueError(f"the judge's reply gives token {entry['token']!r} the log-probability {logprob!r}; a "
                                  "log-probability is a finite number <= 0: is the server a chat-completions server?")
             mass[_word(entry["token"])] += math.exp(min(logprob, 0.0))
+    return mass
+
+
+def yes_no_from_logprobs(candidates: Sequence[Any]) -> float | None:
+    """P(yes) / (P(yes) + P(no)) over ``[{"token", "logprob"}, ...]`` (``answer_mass``); None when neither word is
+    among them."""
+    mass = answer_mass(candidates, ("yes", "no"))
     total = mass["yes"] + mass["no"]
     return mass["yes"] / total if total > 0 else None
 
@@ -319,13 +327,19 @@ class VLMJudge:
         pixels = to_grey_levels(videos.detach().flatten(0, 1)).to(torch.uint8).permute(0, 2, 3, 1).cpu()
         return self._score(pixels.view(*videos.shape[:2], *pixels.shape[1:]), list(prompts))
 
-    def _score(self, pixels: torch.Tensor, prompts: list[str], sources: list[torch.Tensor] | None = None
-               ) -> dict[str, torch.Tensor]:
-        check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
+    def replies(self, pixels: Sequence[torch.Tensor], prompts: list[str],
+                sources: list[torch.Tensor] | None = None) -> list[tuple[str, list | None]]:
+        """One request per (uint8 image, prompt), ``concurrency`` in flight, spread round-robin over the replicas:
+        each reply's text and its first token's top_logprobs (None when not given), in order."""
         replicas = [next(self._next) % len(self.urls) for _ in prompts]
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts))),
                                 thread_name_prefix="vlm-judge") as pool:
-            replies = list(pool.map(self.ask, pixels, prompts, replicas, sources or [None] * len(prompts)))
+            return list(pool.map(self.ask, pixels, prompts, replicas, sources or [None] * len(prompts)))
+
+    def _score(self, pixels: torch.Tensor, prompts: list[str], sources: list[torch.Tensor] | None = None
+               ) -> dict[str, torch.Tensor]:
+        check_prompts(prompts, self.mode)  # every OCR target is readable before a request goes out
+        replies = self.replies(pixels, prompts, sources)
         scored = [self.score(reply, top, prompt) for (reply, top), prompt in zip(replies, prompts)]
         out = {"score": torch.tensor([s for s, _ in scored], dtype=torch.float32)}
         if self.mode == "yes_no":
@@ -387,6 +401,6 @@ def build(url: str, device: str | torch.device | None = None, *, judge_model: st
                     video_template=video_template, edit_template=edit_template)
 
 
-__all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "api_base", "build",
+__all__ = ["SCORE_MODES", "TEMPLATES", "VIDEO_FRAMES", "VIDEO_TEMPLATES", "VLMJudge", "answer_mass", "api_base", "build",
            "check_prompts", "levenshtein", "load_template", "ocr_score", "ocr_target", "parse_number", "read_reply", "served_models",
            "yes_no_from_logprobs", "yes_no_from_text"]
