@@ -2,7 +2,8 @@
 toy-world agreement of GenEval's rules with the toy verifier, the detectors and colour head on tiny random
 transformers folders (batching, queries, box frames), ``python -m fastvideo.bench geneval`` end to end on a tiny
 FLUX.1 (files, task names, the rules re-applied to the stored detections, --compare, bad input), and the ``geneval``
-reward through the registry. Default tier, ~25 s here (the tiny folders are built once per module)."""
+reward through the registry and served by fastvideo.rewards.serve. Default tier, ~40 s here (the tiny folders are built
+once per module)."""
 from __future__ import annotations
 
 import json
@@ -202,3 +203,25 @@ def test_memory_plan_counts_the_geneval_reward_models(tiny_models, tiny_flux_dir
     loaded = sum(sum(p.numel() for p in cls.from_pretrained(tiny_models[name]).parameters())
                  for cls, name in ((Owlv2ForObjectDetection, "owlv2-tiny"), (CLIPModel, "clip-tiny")))
     assert item.device == 4 * loaded
+
+
+def test_geneval_reward_served_equals_local(tiny_models):
+    """``python -m fastvideo.rewards.serve --reward geneval ...`` (a real server process on 127.0.0.1) scores what
+    the in-process reward scores, every logged key, bit for bit."""
+    pytest.importorskip("fastapi")
+    from fastvideo.rewards import build_reward
+    from fastvideo.rewards.serve import launch
+
+    paths = {"geneval_detector_path": str(tiny_models["owlv2-tiny"]),
+             "geneval_clip_path": str(tiny_models["clip-tiny"])}
+    prompts = ["a photo of a cat", "a photo of three cups", "a photo of a red cup and a blue clock",
+               "a photo of a dog below a bench"]
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    local = build_reward("geneval", **paths)(images, prompts)
+    with launch(["--reward", "geneval", "--device", "cpu", "--max_wait_ms", "0",
+                 *[f for k, v in paths.items() for f in (f"--{k}", v)]], env={"OMP_NUM_THREADS": str(torch.get_num_threads())}) as server:
+        remote = build_reward(f"remote:{server.url}")(images, prompts)
+    assert set(local) == {"total", "geneval", "geneval_strict", "geneval_correct"}
+    assert torch.equal(remote["remote"], local["total"])
+    for key in ("geneval", "geneval_strict", "geneval_correct"):
+        assert torch.equal(remote[f"remote_{key}"], local[key]), key
