@@ -1,4 +1,5 @@
-"""What ``sample.py`` runs: generate (and score) images from a base FLUX model, a trained LoRA or a full fine-tune, for a prompt set.
+"""What ``sample.py`` runs: generate (and score) images from a base FLUX model, a trained LoRA or a full fine-tune,
+for a prompt set.
 
     python sample.py --run_dir OUT [--base] [--compare OUT/sampled/base] [--flag value ...]
     torchrun --nproc_per_node N sample.py --pretrained_model_name_or_path DIR [--lora_path OUT/final |
@@ -16,11 +17,13 @@ refuses --run, a prefix of its --run_path.)
 
 Sampling is the deterministic Euler ODE of the family's stock pipeline (``FluxPipeline``, ``StableDiffusion3Pipeline``,
 ...: same sigmas, guidance and true CFG with --cfg_scale; equal images for the same initial noise); unset --h/--w,
---num_inference_steps, --guidance_scale, --cfg_scale and --max_sequence_length take the family's pipeline defaults. Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
+--num_inference_steps, --guidance_scale, --cfg_scale and --max_sequence_length take the family's pipeline defaults.
+Image k of prompt p starts from the noise keyed (--seed, p, k) and is written to
 ``SAMPLES/images/pPPPPPP-sKKK.png`` whatever the number of ranks or the batch size, so two models sampled with the
 same seed see the same noise: ``--compare BASE_SAMPLES`` then puts them side by side (``SAMPLES/compare.png``).
 ``SAMPLES/index.jsonl`` lists every image (prompt, seed, path, reward scores: --reward's ``total`` and components,
-then each --eval_reward reward and its checks) and ``SAMPLES/summary.json`` the mean, std and 95% interval of each; with --compare, ``SAMPLES/compare.json`` holds each reward's paired difference
+then each --eval_reward reward and its checks) and ``SAMPLES/summary.json`` the mean, std and 95% interval of each;
+with --compare, ``SAMPLES/compare.json`` holds each reward's paired difference
 (this model - base, image by image) with its 95% interval.
 """
 from __future__ import annotations

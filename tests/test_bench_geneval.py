@@ -219,7 +219,8 @@ def test_geneval_reward_served_equals_local(tiny_models):
     images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(2))
     local = build_reward("geneval", **paths)(images, prompts)
     with launch(["--reward", "geneval", "--device", "cpu", "--max_wait_ms", "0",
-                 *[f for k, v in paths.items() for f in (f"--{k}", v)]], env={"OMP_NUM_THREADS": str(torch.get_num_threads())}) as server:
+                 *[f for k, v in paths.items() for f in (f"--{k}", v)]],
+                env={"OMP_NUM_THREADS": str(torch.get_num_threads())}) as server:
         remote = build_reward(f"remote:{server.url}")(images, prompts)
     assert set(local) == {"total", "geneval", "geneval_strict", "geneval_correct"}
     assert torch.equal(remote["remote"], local["total"])

@@ -10,7 +10,7 @@ score them by an open-vocabulary detector + CLIP colours (GenEval's rules) or by
 Output folder (``--output_dir``; with ``--run_dir OUT``: OUT/geneval/final, or OUT/geneval/base with ``--base``):
 ``samples/`` (sample.py's folder: images/, index.jsonl, config.json), ``prompts.txt``, ``results.jsonl`` (a row per
 image: prompt id, image index, task, the scores and, for the detector, the kept boxes with their colours and GenEval's
-reason), ``summary.json`` (a score per task — single_object, two_object, counting, colors, position, color_attr — and
+reason), ``summary.json`` (a score per task: single_object, two_object, counting, colors, position, color_attr; and
 ``overall``, each with its 95% interval), ``failures.png`` (failed images by task) and, with ``--compare BASE``,
 ``compare.json`` (paired differences this - base per task and overall). Works under torchrun: every rank samples and
 scores its share; rank 0 writes.
@@ -143,8 +143,8 @@ def prepare(argv: Sequence[str]) -> dict[str, Any]:
     family = models.family_for(args)
     if family.video or family.edit:
         raise ValueError(f"--pretrained_model_name_or_path {args.pretrained_model_name_or_path} is "
-                         f"{'a video' if family.video else 'an image-editing'} model; GenEval scores text-to-image models "
-                         "(sample a video or edit model with sample.py and score it with --reward)")
+                         f"{'a video' if family.video else 'an image-editing'} model; GenEval scores text-to-image "
+                         "models (sample a video or edit model with sample.py and score it with --reward)")
     return {"bench": bench, "records": records, "args": args, "taken": taken, "base": base, "out": out,
             "thresholds": thresholds, "base_rows": base_rows}
 

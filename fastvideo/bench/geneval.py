@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,7 +159,7 @@ class SoftTifaScorer:
     def score(self, images: torch.Tensor, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Rows for a batch (B, 3, H, W) in [0, 1] and its B records."""
         from fastvideo.rewards._common import to_grey_levels
-        from fastvideo.rewards.vlm_judge import _word, answer_mass
+        from fastvideo.rewards.vlm_judge import answer_mass
 
         questions = [atoms(r) for r in records]
         pixels = to_grey_levels(images.detach()).to(torch.uint8).permute(0, 2, 3, 1).cpu()
@@ -172,11 +173,12 @@ class SoftTifaScorer:
                     p.append(sum(answer_mass(top, answers).values()))
                 else:
                     from_text += 1
-                    p.append(float(_word(reply.split()[0] if reply.split() else "") in answers))
+                    first = re.match(r"\W*(\w+)", reply)
+                    p.append(float(first is not None and first.group(1).lower() in answers))
             at += len(q)
+            by_skill = {kind: [v for (k, _, _), v in zip(q, p) if k == kind] for kind in ATOM_TYPES}
             rows.append({"tag": record["tag"], "soft_tifa": sum(p) / len(p), "soft_tifa_gm": _geometric_mean(p),
-                         **{f"atom_{kind}": sum(v for (k, _, _), v in zip(q, p) if k == kind) /
-                            sum(1 for k, _, _ in q if k == kind) for kind in ATOM_TYPES if any(k == kind for k, _, _ in q)},
+                         **{f"atom_{kind}": sum(v) / len(v) for kind, v in by_skill.items() if v},
                          "text_answers": from_text,
                          "atoms": [{"type": k, "question": text, "answer": answers[0], "p": round(v, 6)}
                                    for (k, text, answers), v in zip(q, p)]})
@@ -216,7 +218,8 @@ def describe(result: Mapping[str, Any]) -> str:
     for task in (*R.TASKS, "overall"):
         if task in result:
             s = result[task]
-            lines.append(f"  {task:<14} {s['score']:.4f} [95% {s['ci95'][0]:.4f}, {s['ci95'][1]:.4f}] ({s['n']} images)")
+            low, high = s["ci95"]
+            lines.append(f"  {task:<14} {s['score']:.4f} [95% {low:.4f}, {high:.4f}] ({s['n']} images)")
     return "\n".join(lines)
 
 

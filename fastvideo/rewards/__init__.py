@@ -604,7 +604,8 @@ class RewardOptions:
                                    "logs a reward without training on it; over HTTP: "
                                    "remote:http://HOST:PORT[:WEIGHT], a reward server (python -m "
                                    "fastvideo.rewards.serve), vlm_judge:http://HOST:PORT[:WEIGHT], a chat model "
-                                   "as judge, and geneval_vqa:http://HOST:PORT[:WEIGHT], GenEval 2's Soft-TIFA by one; replicas http://A:PORT|http://B:PORT, a second server of one kind "
+                                   "as judge, and geneval_vqa:http://HOST:PORT[:WEIGHT], GenEval 2's Soft-TIFA by "
+                                   "one; replicas http://A:PORT|http://B:PORT, a second server of one kind "
                                    "remote.LABEL:URL; token: the FASTVIDEO_REWARD_TOKEN variable; "
                                    "docs/reward-serving.md; your own: package.module:factory[:WEIGHT], "
                                    "docs/rewards.md)")
