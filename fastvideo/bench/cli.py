@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from fastvideo import distributed as D
 from fastvideo import errors
@@ -205,7 +206,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any] | None:
     print(f"GenEval ({'detector' if kind == 'detector' else 'Soft-TIFA, ' + bench.scorer[4:]}; {key}), "
           f"{len(results)} images:\n{G.describe(summary)}", flush=True)
     if plan["base_rows"] is not None:
-        paired = G.compare(plan["base_rows"], results, key)
+        paired = compare(plan["base_rows"], results, key)
         from fastvideo.data import atomic_write_text
 
         atomic_write_text(out / "compare.json", json.dumps({"base": bench.compare, "key": key, "tasks": paired},
@@ -216,6 +217,33 @@ def run(plan: dict[str, Any]) -> dict[str, Any] | None:
     print(f"results: {out / 'results.jsonl'}\nsummary: {out / 'summary.json'}"
           + (f"\nfailures: {grid}" if grid else ""), flush=True)
     return summary
+
+
+def compare(base_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
+    """Paired differences (this - base) of ``key`` on the images both made (same prompt and index: the same noise),
+    per task and overall (the mean of the tasks' differences), with 95% intervals over prompts
+    (``evaluation.compare_summary``)."""
+    from fastvideo.evaluation import compare_summary  # the command layer: evaluation sits above the rewards
+
+    out: dict[str, Any] = {}
+    for task in R.TASKS:
+        mine = [{"prompt_id": r["prompt_id"], "sample_index": r["sample_index"], key: float(r[key])}
+                for r in rows if r["tag"] == task]
+        theirs = [{"prompt_id": r["prompt_id"], "sample_index": r["sample_index"], key: float(r[key])}
+                  for r in base_rows if r["tag"] == task]
+        paired = compare_summary(theirs, mine).get(key)
+        if paired:
+            out[task] = paired
+    if out:
+        k = len(out)
+        half = [(v["difference_ci95_high"] - v["difference_ci95_low"]) / 2 for v in out.values()]
+        diff = sum(v["difference"] for v in out.values()) / k
+        width = math.sqrt(sum(h * h for h in half)) / k  # independent tasks: the halves add in quadrature
+        out["overall"] = {"base": sum(v["base"] for v in out.values()) / k,
+                          "this": sum(v["this"] for v in out.values()) / k, "difference": diff,
+                          "difference_ci95_low": diff - width, "difference_ci95_high": diff + width,
+                          "num_images": sum(v["num_images"] for v in out.values())}
+    return out
 
 
 def top_parser() -> argparse.ArgumentParser:

@@ -257,30 +257,3 @@ def failure_grid(out: Path, rows: Sequence[Mapping[str, Any]], samples: Path, pe
     path = out / "failures.png"
     canvas.save(path)
     return path
-
-
-def compare(base_rows: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]], key: str) -> dict[str, Any]:
-    """Paired differences (this - base) of ``key`` on the images both made (same prompt and index: the same noise),
-    per task and overall (the mean of the tasks' differences), with 95% intervals over prompts
-    (``evaluation.compare_summary``)."""
-    from fastvideo.evaluation import compare_summary
-
-    out: dict[str, Any] = {}
-    for task in R.TASKS:
-        mine = [{"prompt_id": r["prompt_id"], "sample_index": r["sample_index"], key: float(r[key])}
-                for r in rows if r["tag"] == task]
-        theirs = [{"prompt_id": r["prompt_id"], "sample_index": r["sample_index"], key: float(r[key])}
-                  for r in base_rows if r["tag"] == task]
-        paired = compare_summary(theirs, mine).get(key)
-        if paired:
-            out[task] = paired
-    if out:
-        k = len(out)
-        half = [(v["difference_ci95_high"] - v["difference_ci95_low"]) / 2 for v in out.values()]
-        diff = sum(v["difference"] for v in out.values()) / k
-        width = math.sqrt(sum(h * h for h in half)) / k  # independent tasks: the halves add in quadrature
-        out["overall"] = {"base": sum(v["base"] for v in out.values()) / k,
-                          "this": sum(v["this"] for v in out.values()) / k, "difference": diff,
-                          "difference_ci95_low": diff - width, "difference_ci95_high": diff + width,
-                          "num_images": sum(v["num_images"] for v in out.values())}
-    return out
