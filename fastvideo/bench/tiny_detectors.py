@@ -8,6 +8,7 @@ checkpoints are. Their detections and colours are noise: they prove plumbing, ba
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,24 +16,31 @@ import torch
 from fastvideo.bench.geneval_rules import OBJECTS
 
 
-def _write_owlv2(out: Path, seed: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    from transformers import CLIPTokenizer, Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)  # each tower
+
+
+def _clip_tokenizer(max_length: int):
+    """The real CLIP BPE tokenizer (``fastvideo.tiny.save_clip_tokenizer``) read back with ``max_length``; the
+    processor that holds it saves it beside the model."""
+    from transformers import CLIPTokenizer
 
     from fastvideo.tiny import save_clip_tokenizer
 
+    with tempfile.TemporaryDirectory() as tmp:
+        save_clip_tokenizer(tmp)
+        return CLIPTokenizer.from_pretrained(tmp, model_max_length=max_length)
+
+
+def _write_owlv2(out: Path, seed: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
     torch.manual_seed(seed)
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    config = Owlv2Config(text_config={**small, "max_position_embeddings": 16},
-                         vision_config={**small, "image_size": 64, "patch_size": 16}, projection_dim=32)
+    config = Owlv2Config(text_config={**_SMALL, "max_position_embeddings": 16},
+                         vision_config={**_SMALL, "image_size": 64, "patch_size": 16}, projection_dim=32)
     Owlv2ForObjectDetection(config).save_pretrained(out)
-    save_clip_tokenizer(out / "tokenizer")
-    tokenizer = CLIPTokenizer.from_pretrained(out / "tokenizer", model_max_length=16)
     Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": 64, "width": 64}),
-                   tokenizer=tokenizer).save_pretrained(out)
-    for f in (out / "tokenizer").iterdir():
-        f.unlink()
-    (out / "tokenizer").rmdir()
+                   tokenizer=_clip_tokenizer(16)).save_pretrained(out)
 
 
 def _write_grounding_dino(out: Path, seed: int) -> None:
@@ -60,23 +68,15 @@ def _write_grounding_dino(out: Path, seed: int) -> None:
 
 def _write_clip(out: Path, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
-
-    from fastvideo.tiny import save_clip_tokenizer
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     torch.manual_seed(seed)
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    config = CLIPConfig(text_config={**small, "max_position_embeddings": 77},
-                        vision_config={**small, "image_size": 32, "patch_size": 8}, projection_dim=32)
+    config = CLIPConfig(text_config={**_SMALL, "max_position_embeddings": 77},
+                        vision_config={**_SMALL, "image_size": 32, "patch_size": 8}, projection_dim=32)
     CLIPModel(config).save_pretrained(out)
-    save_clip_tokenizer(out / "tokenizer")
-    tokenizer = CLIPTokenizer.from_pretrained(out / "tokenizer")
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
                                                      crop_size={"height": 32, "width": 32}),
-                  tokenizer=tokenizer).save_pretrained(out)
-    for f in (out / "tokenizer").iterdir():
-        f.unlink()
-    (out / "tokenizer").rmdir()
+                  tokenizer=_clip_tokenizer(77)).save_pretrained(out)
 
 
 def build_owlv2_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
