@@ -51,6 +51,16 @@ def counters(url: str) -> dict:
     return request(f"{url}/health", token=TOKEN, retries=0)["counters"]
 
 
+def until(check, what: str, timeout_s: float = 30.0):
+    """Poll ``check()`` (every 20 ms) until it returns something true, and return that; fail naming ``what`` after
+    ``timeout_s``: the tests order requests by the server's counters, never by sleeping."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.02)
+    return value
+
+
 def in_thread(fn, *args) -> tuple[threading.Thread, list]:
     out: list = []
     thread = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
@@ -99,9 +109,9 @@ def test_health_without_the_token_is_only_the_status_and_refusals_are_logged(cap
     detailed = request(f"{url}/health", token=TOKEN, retries=0)
     assert detailed["spec"] == "toyworld" and "authorized" not in detailed and "warning" not in detailed
     status, reply, _ = raw_post(url, encode_request(images(1, 16), PROMPTS[:1]), token="wrong")
-    assert status == 401
-    time.sleep(0.2)
-    lines = [line for line in capped_server.output().splitlines() if " 401 POST /score: a wrong bearer token" in line]
+    assert status == 401 and counters(url)["http_401"] == 1  # counted before it was answered
+    lines = until(lambda: [line for line in capped_server.output().splitlines()
+                           if " 401 POST /score: a wrong bearer token" in line], "the 401's log line")
     assert len(lines) == 1 and TOKEN not in capped_server.output() and "wrong" not in lines[0].split(" 401 ")[0]
 
 
@@ -132,13 +142,14 @@ def test_the_client_cuts_requests_to_the_image_cap_and_scores_like_the_local_rew
 
 def test_a_real_413_reaches_the_real_client_in_one_try(capped_server):
     scorer = RemoteScorer([capped_server.url], token=TOKEN, retries=2)  # no size limit known: the body goes out whole
-    t0 = time.perf_counter()
+    before = counters(capped_server.url).get("http_413", 0)
     with pytest.raises(RewardServerError, match=r"HTTP 413: the request body is over this server's --max_request_mb 1"
                                                 r".*lower --remote_batch_size"):
         scorer(images(4, 256), PROMPTS[:4])  # 4 x 3 x 256 x 256 float32 = 3 MiB
-    assert time.perf_counter() - t0 < 5
-    time.sleep(0.2)
-    assert sum(" 413 POST /score: the request body" in line for line in capped_server.output().splitlines()) == 1
+    # one try: the server answered one 413 (each refusal is counted before it is answered), not retries + 1
+    assert counters(capped_server.url)["http_413"] - before == 1
+    until(lambda: any(" 413 POST /score: the request body" in line for line in capped_server.output().splitlines()),
+          "the 413's log line")
 
 
 # ----------------------------------------------------------------------------------------------------- admission
@@ -151,17 +162,18 @@ def test_a_full_queue_answers_429_and_the_deadline_drops_work_unscored():
         url = server.url
         body = encode_request(images(1, 16), PROMPTS[:1])
         a, a_out = in_thread(raw_post, url, body)
-        time.sleep(0.3)
+        until(lambda: counters(url)["batches"] == 1, "A's reward call to start")
         b, b_out = in_thread(raw_post, url, body)
-        time.sleep(0.3)
+        until(lambda: counters(url)["requests"] == 2, "B to be queued")
         status, reply, headers = raw_post(url, body)
         assert status == 429 and "--max_queue" in reply["detail"] and int(headers["retry-after"]) >= 1, reply
         a.join(10), b.join(10)
         for out in (a_out, b_out):  # A's call outlived its deadline too: its reply is dropped, its batch ran
             assert out[0][0] == 503 and "--request_timeout_s 1: dropped" in out[0][1]["detail"], out
-        time.sleep(2.5)  # A's call is over: had B been kept, its batch would run now
-        c = counters(url)
-        assert (c["refused_busy"], c["expired"], c["batches"]) == (1, 2, 1), c
+        # A's call is over once its image is counted; the loop then takes the next live request at once (no await
+        # between), so a kept B would now be waiting or counted as a second batch
+        c = until(lambda: (c := counters(url))["images"] == 1 and c, "A's reward call to end")
+        assert (c["refused_busy"], c["expired"], c["batches"], c["waiting"]) == (1, 2, 1, 0), c
 
 
 def test_a_client_that_gave_up_is_not_scored():
@@ -171,9 +183,9 @@ def test_a_client_that_gave_up_is_not_scored():
                 env=ENV) as server:
         with pytest.raises(RewardServerError, match="failed 3 time.*no reply within 0.3 s"):
             RemoteScorer([server.url], token=TOKEN, timeout_s=0.3, retries=2)(images(2, 16), PROMPTS[:2])
-        time.sleep(2.5)
-        c = counters(server.url)
-        assert (c["batches"], c["images"], c["disconnected"]) == (0, 0, 3), c
+        # each try is checked after its 1.5 s delay: the third is dropped last
+        c = until(lambda: (c := counters(server.url))["disconnected"] == 3 and c, "the three tries to be dropped")
+        assert (c["batches"], c["images"], c["waiting"]) == (0, 0, 0), c
 
 
 # ----------------------------------------------------------------------------------------------------- the client

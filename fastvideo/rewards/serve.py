@@ -16,6 +16,7 @@ uvicorn (``pip install -e '.[serve]'``); docs/reward-serving.md has every flag, 
 # no ``from __future__ import annotations``: FastAPI reads the endpoints' annotations (Request) at definition time
 import argparse
 import asyncio
+import collections
 import hmac
 import json
 import os
@@ -136,6 +137,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
 
     batcher = (Batcher(reward_fn, limits["max_batch_size"], limits["max_wait_ms"] / 1000, limits["max_queue"],
                        limits["reward_delay_ms"] / 1000) if spec is not None else None)
+    refusals: collections.Counter = collections.Counter()  # HTTP status -> refusals answered (counters' http_NNN)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -153,6 +155,7 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
     async def refused(request: Request, err: HTTPException) -> JSONResponse:
         """Every refusal and failure: logged in one line, answered as FastAPI does ({"detail": ...})."""
         log_line(client_of(request), err.status_code, f"{request.method} {request.url.path}: {err.detail}")
+        refusals[err.status_code] += 1
         return JSONResponse({"detail": err.detail}, status_code=err.status_code, headers=err.headers)
 
     def authorized(request: Request) -> bool:
@@ -185,7 +188,9 @@ def create_app(reward_fn: Any, spec: str | None, *, device: str, token: str | No
         names = batcher.reward_fn.names if batcher is not None and batcher.reward_fn is not None else []
         details = {"status": status(), "spec": spec, "components": list(names),
                    "device": device, "token_required": token is not None,
-                   "counters": dict(batcher.counters) if batcher is not None else {}, "limits": limits,
+                   "counters": ({**batcher.counters, "waiting": batcher.waiting(),
+                                 **{f"http_{code}": n for code, n in sorted(refusals.items())}}
+                                if batcher is not None else {}), "limits": limits,
                    "chat_model": (chat or {}).get("served_name")}
         if token is None:
             details["warning"] = ("no token: anyone who reaches this port can use this server" if insecure else
