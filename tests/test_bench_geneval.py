@@ -7,6 +7,7 @@ once per module)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def _bench(argv: list[str]) -> dict:
     return cli.main(["geneval", *argv])
 
 
-def test_bench_end_to_end_on_a_tiny_flux(tiny_flux_dir, tiny_models, tmp_path, capsys):
+def test_bench_end_to_end_on_a_tiny_flux(tiny_flux_dir, tiny_models, tiny_preset, tmp_path, capsys):
     common = ["--pretrained_model_name_or_path", str(tiny_flux_dir), "--detector_path",
               str(tiny_models["owlv2-tiny"]), "--clip_path", str(tiny_models["clip-tiny"]), "--per_task", "2",
               "--num_images_per_prompt", "2", "--num_inference_steps", "2", "--h", "64", "--w", "64",
@@ -120,11 +121,21 @@ def test_bench_end_to_end_on_a_tiny_flux(tiny_flux_dir, tiny_models, tmp_path, c
         assert summary[task]["score"] == pytest.approx(sum(r["correct"] for r in rows if r["tag"] == task) / 4)
     assert summary["overall"]["score"] == pytest.approx(sum(summary[t]["score"] for t in R.TASKS) / 6)
     assert (out / "prompts.txt").read_text().count("\n") == 12
-    # the same model again, compared: every paired difference is 0
-    _bench([*common, "--output_dir", str(tmp_path / "b"), "--compare", str(out)])
+    # compared with a base that got every image right (the same images, its results rewritten): the paired
+    # difference is this - base = score - 1 per task, negative wherever this model missed (a swapped comparison would
+    # read 1 - score)
+    perfect = tmp_path / "perfect"
+    shutil.copytree(out, perfect)
+    (perfect / "results.jsonl").write_text("".join(json.dumps({**r, "correct": 1.0}) + "\n" for r in rows))
+    _bench([*common, "--output_dir", str(tmp_path / "b"), "--compare", str(perfect)])
     paired = json.loads((tmp_path / "b" / "compare.json").read_text())["tasks"]
-    assert set(paired) == {*R.TASKS, "overall"} and all(v["difference"] == 0 for v in paired.values())
-    assert "difference +0.0000" in capsys.readouterr().out
+    assert set(paired) == {*R.TASKS, "overall"}
+    for task in R.TASKS:
+        assert (paired[task]["base"], paired[task]["this"]) == (1.0, pytest.approx(summary[task]["score"]))
+        assert paired[task]["difference"] == pytest.approx(summary[task]["score"] - 1), (task, paired[task])
+    assert f"base 1.0000 -> {summary['overall']['score']:.4f}" in capsys.readouterr().out
+    assert paired["overall"]["difference"] == pytest.approx(summary["overall"]["score"] - 1)
+    assert paired["overall"]["difference"] < 0, summary["overall"]
     # bad input: one line, exit status 2, nothing sampled
     for argv, message in ((common[:2] + ["--output_dir", str(tmp_path / "c")], "needs --detector_path"),
                           ([*common, "--output_dir", str(out)], "already holds a bench"),
@@ -137,9 +148,7 @@ def test_bench_end_to_end_on_a_tiny_flux(tiny_flux_dir, tiny_models, tmp_path, c
             _bench(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "c" / "samples").exists()
-    from fastvideo.tiny import build_preset
-
-    kontext = build_preset(tmp_path / "kontext", "flux-kontext-tiny")
+    kontext = tiny_preset("flux-kontext-tiny")
     with pytest.raises(SystemExit):
         _bench(["--pretrained_model_name_or_path", str(kontext), *common[2:], "--output_dir", str(tmp_path / "g")])
     assert "is an image-editing model; GenEval scores text-to-image models" in capsys.readouterr().err

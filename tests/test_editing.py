@@ -41,13 +41,12 @@ def write_edits(root: Path, n: int = len(INSTRUCTIONS), size: tuple[int, int] = 
     return root / "pairs.jsonl"
 
 
-def edit_store(root: Path, build_tiny, negative_prompt: str) -> dict:
-    """A tiny edit model folder (``build_tiny``, seed 0) and its edit store of ``write_edits`` (6 edits in shards of 2,
-    with ``negative_prompt``), written in this process by preprocess_embeddings.py's two calls (the ranks' sharding is
+def edit_store(root: Path, model: Path, negative_prompt: str) -> dict:
+    """A tiny edit model folder and its edit store of ``write_edits`` (6 edits in shards of 2, with
+    ``negative_prompt``), written in this process by preprocess_embeddings.py's two calls (the ranks' sharding is
     family-free: tests/test_preprocess.py)."""
     from fastvideo.data import open_prompt_store, write_prompt_store
 
-    model = build_tiny(root / "model", seed=0)
     pairs = write_edits(root)
     writer = open_prompt_store(None, model, root / "store", edit_file=pairs, max_sequence_length=MSL, shard_size=2,
                                negative_prompt=negative_prompt)
@@ -55,12 +54,10 @@ def edit_store(root: Path, build_tiny, negative_prompt: str) -> dict:
     return {"model": model, "pairs": pairs, "store": root / "store", "root": root}
 
 
-@pytest.fixture(scope="module")
-def kontext(tmp_path_factory) -> dict:
-    """The tiny Kontext folder and its edit store (negative prompt "")."""
-    from fastvideo.models.flux_kontext import build_tiny
-
-    return edit_store(tmp_path_factory.mktemp("edits"), build_tiny, "")
+@pytest.fixture(scope="session")
+def kontext(tiny_preset, tmp_path_factory) -> dict:
+    """The tiny Kontext folder and its edit store (negative prompt ""), once per session: the slow tests read it too."""
+    return edit_store(tmp_path_factory.mktemp("edits"), tiny_preset("flux-kontext-tiny"), "")
 
 
 def test_preprocessing_stores_what_encode_edits_gives(kontext):
@@ -186,17 +183,37 @@ def _kontext_edit(model: Path, lora: Path | None, source: Image.Image) -> torch.
                 generator=torch.Generator().manual_seed(0)).images
 
 
+# A user reward (weight 0: logged, not trained on) that computes an edit's distance from its source by its definition,
+# the mean absolute pixel difference: the logged source_distance must equal it
+DISTANCE_PLUGIN = """
+def edit_distance():
+    def score(images, prompts, sources=None, **context):
+        return (images.double() - sources.double()).abs().flatten(1).mean(dim=1).float()
+
+    score.takes_sources = score.needs_sources = True
+    return score
+"""
+
+
 def test_grpo_lora_with_cfg_on_edits_is_on_policy_and_exports_a_kontext_lora(kontext, tmp_path):
     """GRPO on edits, LoRA rank 4, true CFG 2 (the source rows in both halves of one batched forward), --reward_overlap
     (the sources travel with each micro-batch): the first update's ratios are 1, the update reaches the adapter, the
-    source distance is logged beside the reward, and the export changes the stock Kontext pipeline's edit."""
+    source distance logged beside the reward is each edit's true distance from its source (a user reward computing
+    it by definition), and the export changes the stock Kontext pipeline's edit."""
     out = tmp_path / "grpo"
-    run_torchrun(["train_grpo_flux.py", *_train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2",
-                                                     "--timestep_fraction", "0.7", "--reward_overlap")])
+    (tmp_path / "distance_check.py").write_text(DISTANCE_PLUGIN)
+    args = _train_args(kontext, out, "--lora_rank", "4", "--cfg_scale", "2", "--timestep_fraction", "0.7",
+                       "--reward_overlap")
+    args[args.index("jpeg_compressibility:1.0")] = "jpeg_compressibility:1.0,distance_check:edit_distance:0"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    run_torchrun(["train_grpo_flux.py", *args], env={"PYTHONPATH": path})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
     assert rows[0]["ratio_first_update_max_dev"] < 1e-5 and rows[0]["grad_norm"] > 0, rows[0]
-    assert all(0.02 < r["reward_source_distance"] < 1 for r in rows), rows  # a random model's edit: not its source
+    for r in rows:  # a random model's edit is not its source, and the watch reads its true distance
+        assert r["reward_mean"] == pytest.approx(r["reward_jpeg_compressibility"])  # weight 0: not trained on
+        assert r["reward_source_distance"] > 0.02
+        assert r["reward_source_distance"] == pytest.approx(r["reward_edit_distance"], rel=1e-5, abs=1e-7), r
     source = Image.open(kontext["root"] / "images" / "0.png").convert("RGB")
     base, tuned = _kontext_edit(kontext["model"], None, source), _kontext_edit(kontext["model"], out / "final", source)
     assert torch.isfinite(tuned).all() and (tuned - base).abs().max() > 1e-4
@@ -307,12 +324,11 @@ def test_dpo_nft_awm_and_a_full_fine_tune_on_edits(kontext, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ Qwen-Image-Edit
-@pytest.fixture(scope="module")
-def qwen_edit(tmp_path_factory) -> dict:
-    """The tiny Qwen-Image-Edit folder and its edit store (negative prompt " ", encoded with each source)."""
-    from fastvideo.models.qwen_image_edit import build_tiny
-
-    return edit_store(tmp_path_factory.mktemp("qwen-edits"), build_tiny, " ")
+@pytest.fixture(scope="session")
+def qwen_edit(tiny_preset, tmp_path_factory) -> dict:
+    """The tiny Qwen-Image-Edit folder and its edit store (negative prompt " ", encoded with each source), once per
+    session."""
+    return edit_store(tmp_path_factory.mktemp("qwen-edits"), tiny_preset("qwen-image-edit-tiny"), " ")
 
 
 def _qwen_edit(model: Path, lora: Path | None, source: Image.Image, **call) -> torch.Tensor:

@@ -72,9 +72,9 @@ def test_ground_truth_passes_and_the_unchanged_source_fails(size):
 
 
 def _corrupt(example: ew.EditExample, how: str) -> np.ndarray | None:
-    """The ground truth with one corruption: another object than the named one edited instead, another object moved
-    or removed besides the edit, an object added besides it, or a move / add to the other side of the anchor (None
-    where the scene leaves no room for it)."""
+    """The ground truth with one corruption: another object than the named one edited instead, another object removed,
+    reshaped or moved besides the edit, an object added besides it, or a move / add to the other side of the anchor
+    (None where the scene leaves no room for it)."""
     spec = ew.parse_edit(example.instruction)
     size, target = example.size, list(example.target)
     other = next(o for o in example.source if (o.color, o.shape) not in (spec.obj, spec.anchor))
@@ -83,6 +83,17 @@ def _corrupt(example: ew.EditExample, how: str) -> np.ndarray | None:
         return scenes.draw([dataclasses.replace(o, color=new) if o == other else o for o in example.source], size)
     if how == "extra change":
         return scenes.draw([o for o in target if o != other], size)
+    if how == "other reshaped":  # another object redrawn as another shape, same colour, same place
+        shape = next(s for s in scenes.SHAPES if s != other.shape)
+        return scenes.draw([dataclasses.replace(o, shape=shape) if o == other else o for o in target], size)
+    if how == "other moved":  # another object moved (same colour and shape) further than the position tolerance
+        rest = [o for o in target if o != other]
+        tol = ew.position_tolerance(size)
+        for seed in range(64):
+            spot = ew._free_place(np.random.default_rng(seed), other.shape, other.side, rest, size)
+            if spot is not None and (spot[0] - other.x) ** 2 + (spot[1] - other.y) ** 2 > (2 * tol) ** 2:
+                return scenes.draw(rest + [dataclasses.replace(other, x=spot[0], y=spot[1])], size)
+        return None
     if how == "extra object":  # a second object of another object's colour (every colour may be in use)
         shape = next(s for s in scenes.SHAPES if s != other.shape)
         spot = ew._free_place(np.random.default_rng(0), shape, 7, target, size)
@@ -101,6 +112,7 @@ def _corrupt(example: ew.EditExample, how: str) -> np.ndarray | None:
 
 
 @pytest.mark.parametrize("how,fails", [("wrong object", ("instruction", "preserve")), ("extra change", ("preserve",)),
+                                       ("other reshaped", ("preserve",)), ("other moved", ("preserve",)),
                                        ("extra object", ("preserve",)), ("wrong side", ("instruction",))])
 def test_each_corruption_fails_the_strict_check(how, fails):
     """On 3-object sources (so another object than the named one and its anchor exists); recolours and removes have no

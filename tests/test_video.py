@@ -60,6 +60,17 @@ def test_video_rewards_reduce_each_component_over_the_chosen_frames(reduce, fram
     assert "frame_change" not in fn.names  # logged beside the reward, never part of the total
 
 
+def test_frame_change_is_the_mean_absolute_step_between_consecutive_frames():
+    """A grey video going 0 -> 0.5 -> 0.25 (up, then back down): the steps are 0.5 and 0.25, so the watch is 0.375.
+    From the first and last frames alone it would read 0.125 (0.25 over two steps), and without the absolute value
+    the steps would cancel to 0.125; a video that flickers back to its first frame reads 0.5, not 0."""
+    levels = [[0.0, 0.5, 0.25], [0.2, 0.7, 0.2]]
+    videos = torch.tensor(levels).view(2, 3, 1, 1, 1).expand(2, 3, 3, 4, 4).contiguous()
+    fn = RewardFn([("bright", 1.0, _brightness)])
+    torch.testing.assert_close(fn(videos, ["a", "b"])["frame_change"], torch.tensor([0.375, 0.5]))
+    torch.testing.assert_close(fn(videos[:, :1], ["a", "b"])["frame_change"], torch.zeros(2))  # one frame: no change
+
+
 def test_images_still_score_as_before_and_bad_shapes_name_the_layout():
     fn = RewardFn([("bright", 1.0, _brightness)])
     images = torch.rand(3, 3, 4, 4, generator=torch.Generator().manual_seed(0))
