@@ -1,18 +1,49 @@
-"""Shared fixtures: tiny FLUX folders are built once per test session in a temp dir."""
+"""Shared fixtures: tiny model folders, the toy world and other costly inputs are built once per test session."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
-from suite_rules import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401
-                         pytest_runtest_makereport, pytest_sessionfinish,
-                         pytest_terminal_summary)  # tiers, covers, evidence shards, timeouts, undeclared skips, FLAKY
+from suite_rules import (pytest_addoption, pytest_collection_modifyitems, pytest_configure,  # noqa: E402,F401
+                         pytest_collectreport, pytest_runtest_makereport, pytest_runtest_protocol,
+                         pytest_sessionfinish, pytest_terminal_summary)  # tiers, covers, shards, timeouts, skips, costs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory) -> Callable[[str, Callable[[Path], T]], T]:
+    """The session's cache of costly test inputs (model folders, stores, finished runs) that tests of several tiers
+    or modules read: ``built_once(key, build)`` calls ``build(folder)`` with a new folder the first time ``key`` is
+    asked for, and returns that result ever after. What it returns is read-only to tests: a test that writes takes a
+    copy. (A module fixture would be built again for the slow tier's tests of the same module.)"""
+    cache: dict[str, object] = {}
+
+    def get(key: str, build: Callable[[Path], T]) -> T:
+        if key not in cache:
+            cache[key] = build(tmp_path_factory.mktemp(re.sub(r"\W+", "-", key)))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_preset(built_once) -> Callable[..., Path]:
+    """``tiny_preset(name, seed=0)``: the folder of ``fastvideo.tiny.build_preset(name, seed)``, built once per session
+    (the builders are byte-identical for a seed, so every module may share it; read-only to tests)."""
+    from fastvideo.tiny import build_preset
+
+    def get(name: str, seed: int = 0) -> Path:
+        return built_once(f"preset-{name}-{seed}", lambda root: build_preset(root / "model", name, seed))
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +71,29 @@ def hps_flags(tmp_path_factory) -> tuple[str, ...]:
     hps = build_tiny_hps(tmp_path_factory.mktemp("hps") / "hps-tiny", seed=0)
     return ("--reward", "hpsv2:1.0", "--hps_checkpoint", str(hps / TINY_CHECKPOINT), "--hps_model",
             str(hps / TINY_CONFIG))
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> Callable[[str], Path]:
+    """``shared_runs(key)``: the output folder of the trainer run a module declared with ``helpers.shared_run``. The
+    first request for a run of N ranks makes every declared N-rank run not yet made, in one torchrun job (their
+    order: as declared)."""
+    from helpers import SHARED_RUNS, run_in_one_job
+
+    inputs = {"model": tiny_flux_dir, "data": tiny_data, "hps": hps_flags}
+    done: dict[str, Path] = {}
+
+    def get(key: str) -> Path:
+        if key not in done:
+            nproc = SHARED_RUNS[key][0]
+            root = tmp_path_factory.mktemp(f"shared-runs-{nproc}-ranks")
+            batch = {k: root / k for k, (n, _) in SHARED_RUNS.items() if n == nproc and k not in done}
+            runs = [SHARED_RUNS[k][1](inputs, out) for k, out in batch.items()]
+            run_in_one_job([(r[0], r[1:]) for r in runs], root, nproc=nproc, timeout=300 + 120 * len(runs))
+            done.update(batch)
+        return done[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

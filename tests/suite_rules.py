@@ -5,9 +5,15 @@ default per-test timeout, undeclared skips, and the one retry a known transport 
   proves the science and the numbers). Both markers take ``cover="test_file.py::test_name[param]"``, a default-tier
   test that runs the same path, and ``cost_s=N``, what the test costs alone on 2 cores (seconds). ``cover_problems``
   checks every marked test against the collected items: the cover exists and is neither slow nor evidence.
-- Evidence shards: ``--evidence-shard K/N`` keeps shard K (0-based) of N of the evidence tests. A test file is one unit
-  (its module fixtures run once); units go to shards longest first, each to the shard with the least declared cost so
-  far (ties: the lower shard), so the split depends on the markers alone. ``.ci/run`` picks the shard from the commit.
+- Evidence shards: ``--evidence-shard K/N`` keeps shard K (0-based) of N of the evidence tests. A test is one unit;
+  units go to shards longest first, each to the shard with the least cost so far (ties: the lower shard), a test's
+  cost being its recorded seconds (``tests/durations.json``) or else its declared ``cost_s``, so the split follows from
+  the record and the markers alone. ``.ci/run`` picks the shard from the commit count.
+- Order: ``--tiers-in-order`` runs one session of every tier selected, the default tier first, then slow, then
+  evidence (collection and session fixtures shared), and ends it before the first later-tier test when a default
+  test failed.
+- Costs: every run prints each tier's wall clock and each test file's seconds per tier; ``--record-durations PATH``
+  writes each test's (``tests/durations.py`` folds runs into the committed record and checks it against the budgets).
 - Timeout: every test without its own ``@pytest.mark.timeout(N)`` gets ``DEFAULT_TIMEOUT_S`` (``LONG_TIMEOUT_S`` when
   slow or evidence), counted over its setup, call and teardown (module fixtures included), so a hang ends the test
   instead of waiting out each subprocess's own limit.
@@ -35,7 +41,7 @@ TIERS = ("slow", "evidence")
 _undeclared: list[str] = []
 _flaky: list[str] = []
 _summary: dict | None = None  # covers and shards, set when a collection held every test file of the suite
-EVIDENCE_SHARDS = 3  # .ci/run runs one of them per landing
+EVIDENCE_SHARDS = 4  # .ci/run runs one of them per landing (commit count mod 4)
 _shard_note: list[str] = []
 
 
@@ -47,11 +53,20 @@ def in_ci() -> bool:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fastvideo suite")
     group.addoption("--evidence-shard", default=None, metavar="K/N",
-                    help="keep shard K (0-based) of N of the evidence tests (a test file is one unit)")
+                    help="keep shard K (0-based) of N of the evidence tests (a test is one unit, balanced by its "
+                         "recorded seconds)")
     group.addoption("--check-covers", action="store_true",
                     help="fail the collection when a slow or evidence test names no valid default-tier cover")
     group.addoption("--suite-summary", default=None, metavar="PATH",
-                    help="write the collection's cover problems and evidence shards (files, declared seconds) as JSON")
+                    help="write the collection's cover problems, evidence shards (tests, seconds) and every test's "
+                         "tier as JSON")
+    group.addoption("--record-durations", default=None, metavar="PATH",
+                    help="write each test's tier and seconds (setup + call + teardown) as JSON when the run ends "
+                         "(python tests/durations.py merge PATH folds it into tests/durations.json)")
+    group.addoption("--tiers-in-order", action="store_true",
+                    help="run the default tier first, then slow, then evidence (one session: collection and "
+                         "session fixtures shared), and stop before the first later-tier test when a default test "
+                         "failed")
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -97,19 +112,30 @@ def cover_problems(items: list[pytest.Item]) -> list[str]:
     return problems
 
 
-def evidence_costs(items: list[pytest.Item]) -> dict[str, float]:
-    """Each evidence test file's declared seconds (the sum of its tests' ``cost_s``)."""
+RECORD = Path(__file__).resolve().parent / "durations.json"  # each test's recorded seconds (tests/durations.py)
+
+
+def recorded_seconds() -> dict[str, float]:
+    """``{nodeid: seconds}`` of ``tests/durations.json`` (empty without one)."""
+    if not RECORD.is_file():
+        return {}
+    return {k: float(v["s"]) for k, v in json.loads(RECORD.read_text())["tests"].items()}
+
+
+def evidence_costs(items: list[pytest.Item], recorded: dict[str, float] | None = None) -> dict[str, float]:
+    """Each evidence test's seconds: its recorded cost (``tests/durations.json``), else its declared ``cost_s``."""
+    recorded = recorded_seconds() if recorded is None else recorded
     costs: dict[str, float] = {}
     for item in items:
         marker = item.get_closest_marker("evidence")
         if marker is not None:
-            costs[item.path.name] = costs.get(item.path.name, 0.0) + float(marker.kwargs.get("cost_s", 0) or 0)
+            costs[item.nodeid] = recorded.get(item.nodeid, float(marker.kwargs.get("cost_s", 0) or 0))
     return costs
 
 
-def evidence_shards(items: list[pytest.Item], n: int) -> list[list[str]]:
-    """The evidence test files of each of ``n`` shards: longest declared cost first, each to the lightest shard."""
-    costs = evidence_costs(items)
+def balance(costs: dict[str, float], n: int) -> list[list[str]]:
+    """``n`` shards of the units ``costs`` names: longest first, each to the shard with the least cost so far (ties:
+    the lower shard; equal costs: by name), so the split follows from the costs alone."""
     shards: list[list[str]] = [[] for _ in range(n)]
     loads = [0.0] * n
     for name in sorted(costs, key=lambda f: (-costs[f], f)):
@@ -117,6 +143,11 @@ def evidence_shards(items: list[pytest.Item], n: int) -> list[list[str]]:
         shards[k].append(name)
         loads[k] += costs[name]
     return shards
+
+
+def evidence_shards(items: list[pytest.Item], n: int, recorded: dict[str, float] | None = None) -> list[list[str]]:
+    """The evidence tests (node ids) of each of ``n`` shards, balanced by each test's cost (``evidence_costs``)."""
+    return balance(evidence_costs(items, recorded), n)
 
 
 def _parse_shard(spec: str) -> tuple[int, int]:
@@ -141,8 +172,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("check_covers") or set(suite.glob("test_*.py")) <= files:
         costs = evidence_costs(items)
         _summary = {"cover_problems": cover_problems(items),
-                    "shards": [{"files": f, "cost_s": sum(costs[x] for x in f)}
-                               for f in evidence_shards(items, EVIDENCE_SHARDS)]}
+                    "shards": [{"tests": f, "cost_s": sum(costs[x] for x in f)}
+                               for f in balance(costs, EVIDENCE_SHARDS)],
+                    "tiers": {item.nodeid: tier_of(item) for item in items}}
         if config.getoption("suite_summary"):
             Path(config.getoption("suite_summary")).write_text(json.dumps(_summary, indent=1))
         if config.getoption("check_covers") and _summary["cover_problems"]:
@@ -151,16 +183,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if spec:
         k, n = _parse_shard(spec)
         keep = set(evidence_shards(items, n)[k])
-        _shard_note[:] = [f"evidence shard {k}/{n}: {', '.join(sorted(keep)) or 'no files'}"]
-        drop = [i for i in items if tier_of(i) == "evidence" and i.path.name not in keep]
+        _shard_note[:] = [f"evidence shard {k}/{n}: {', '.join(sorted(keep)) or 'no tests'}"]
+        drop = [i for i in items if tier_of(i) == "evidence" and i.nodeid not in keep]
         if drop:
             config.hook.pytest_deselected(items=drop)
             dropped = set(drop)
             items[:] = [i for i in items if i not in dropped]
 
 
+class TierOrder:
+    """``--tiers-in-order``'s sort, registered as a plugin of its own so that it runs last, after pytest has grouped
+    the tests of each parametrized fixture: the tiers in order, each keeping pytest's order (a stable sort)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        order = {"default": 0, "slow": 1, "evidence": 2}
+        items.sort(key=lambda i: order[tier_of(i)])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("tiers_in_order", False):
+        config.pluginmanager.register(TierOrder(), "fastvideo-tier-order")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``--tiers-in-order``: the first slow or evidence test after a failed default test ends the session (exit
+    1, as ``-x`` does) instead of running the later tiers."""
+    if (item.config.getoption("tiers_in_order") and tier_of(item) != "default"
+            and item.session.testsfailed and not item.session.shouldfail):
+        item.session.shouldfail = (f"{item.session.testsfailed} default-tier test(s) failed: the slow and evidence "
+                                   "tiers are skipped")
+        return True
+    return None
+
+
 def suite_summary() -> dict | None:
-    """``{"cover_problems": [...], "shards": [{"files", "cost_s"}, ...]}`` of this session's collection, or None when
+    """``{"cover_problems": [...], "shards": [{"tests", "cost_s"}, ...], "tiers": {nodeid: tier}}`` of this
+    session's collection, or None when
     it did not hold every test file."""
     return _summary
 
@@ -205,17 +265,69 @@ def note_flaky(report: str) -> None:
     _flaky.append(f"FLAKY: {test} {report}")
 
 
+# --------------------------------------------------------------------------------------------------------- costs
+# Each test's seconds (setup + call + teardown: a module fixture is paid by the test that sets it up, and torn down by
+# the module's last) and each tier's wall-clock span in this session: printed at the end of every run as a per-tier and
+# per-module table (".ci/run" shows them), and written as JSON with --record-durations.
+_costs: dict[str, list] = {}  # nodeid -> [tier, seconds, outcome]
+_spans: dict[str, list[float]] = {}  # tier -> [first start, last stop] (time.time())
+
+
+def _record(item: pytest.Item, report) -> None:
+    import time
+
+    tier = tier_of(item)
+    entry = _costs.setdefault(item.nodeid, [tier, 0.0, "passed"])
+    entry[1] += report.duration
+    if report.failed or (report.skipped and report.when != "teardown"):
+        entry[2] = "failed" if report.failed else "skipped"
+    now = time.time()
+    span = _spans.setdefault(tier, [now - report.duration, now])
+    span[1] = now
+
+
+def module_costs(costs: dict[str, list]) -> dict[str, dict[str, float]]:
+    """``{tier: {test file name: seconds}}`` of ``{nodeid: [tier, seconds, ...]}``."""
+    out: dict[str, dict[str, float]] = {}
+    for nodeid, (tier, seconds, *_) in costs.items():
+        name = Path(nodeid.split("::")[0]).name
+        out.setdefault(tier, {})
+        out[tier][name] = out[tier].get(name, 0.0) + seconds
+    return out
+
+
+def _cost_lines() -> list[str]:
+    lines = []
+    for tier, span in sorted(_spans.items(), key=lambda kv: kv[1][0]):
+        n = sum(1 for t, *_ in _costs.values() if t == tier)
+        wall = span[1] - span[0]
+        lines.append(f"CI: {tier} tier: {n} tests in {int(wall) // 60}m{int(wall) % 60}s (wall clock in this session)")
+    for tier, files in module_costs(_costs).items():
+        for name, seconds in sorted(files.items(), key=lambda kv: -kv[1]):
+            lines.append(f"cost: {tier:8s} {seconds:8.1f} s  {name}")
+    return lines
+
+
 # --------------------------------------------------------------------------------------------------------- reports
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Note every skip that no ``skip``/``skipif`` marker of the test declared."""
     report = yield
+    _record(item, report)
     if report.skipped and not hasattr(report, "wasxfail"):
         declared = any(m.name in ("skip", "skipif") for m in item.iter_markers())
         if not declared:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             _undeclared.append(f"{item.nodeid}: {reason}")
     return report
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A test file skipped whole at collection (a module-level ``pytest.importorskip`` or ``pytest.skip(...,
+    allow_module_level=True)``) is an undeclared skip too: none of its tests reaches ``pytest_runtest_makereport``."""
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _undeclared.append(f"{report.nodeid}: skipped at collection (every test in it): {reason}")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -235,10 +347,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in _shard_note:
         failed = exitstatus not in (0, 5)
         terminalreporter.line(("FAILED in " if failed else "") + line, red=failed)
+    if _costs:
+        terminalreporter.section("seconds per tier and test file (setup + call + teardown)", sep="=")
+        for line in _cost_lines():
+            terminalreporter.line(line)
+    if config.getoption("record_durations"):
+        Path(config.getoption("record_durations")).write_text(json.dumps(
+            {"tests": {k: {"tier": t, "s": round(s, 2), "outcome": o} for k, (t, s, o) in _costs.items()},
+             "spans_s": {t: round(b - a, 1) for t, (a, b) in _spans.items()}}, indent=0))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In CI, a session with an undeclared skip exits 1 (unless it already failed)."""
-    if _undeclared and in_ci() and session.exitstatus == 0:
+    if _undeclared and in_ci() and session.exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

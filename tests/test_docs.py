@@ -573,6 +573,25 @@ def check_command(cmd: Command) -> list[str]:
     return problems
 
 
+def _option(args: list[str], name: str) -> str | None:
+    """The value after ``name`` in ``args`` (None when absent)."""
+    return args[args.index(name) + 1] if name in args[:-1] else None
+
+
+def _without_selection(args: list[str]) -> list[str]:
+    """A pytest call's arguments without what selects, orders or records tiers (-m, --evidence-shard,
+    --tiers-in-order, --record-durations)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("-m", "--evidence-shard", "--record-durations"):
+            skip = True
+        elif a != "--tiers-in-order":
+            out.append(a)
+    return out
+
+
 def check_ci_command(cmd: Command) -> list[str]:
     if is_install(cmd.tokens):
         return check_install(cmd.tokens)
@@ -583,6 +602,11 @@ def check_ci_command(cmd: Command) -> list[str]:
         want = cmd.tokens[1:]
         # the evidence tier's command runs in CI as one shard of it (tests/suite_rules.py, docs/testing.md)
         if any(c == want or (c[:-2] == want and c[-2] == "--evidence-shard") for c in ci_invocations()):
+            return []
+        # a tier's command (-m slow, -m evidence, none: the default) runs inside CI's one ordered session of every
+        # tier (-m "" --tiers-in-order), with the same other arguments
+        if any(c[:2] == want[:2] and _without_selection(c[2:]) == _without_selection(want[2:])
+               and _option(c[2:], "-m") == "" and "--tiers-in-order" in c for c in ci_invocations()):
             return []
         calls = "; ".join(" ".join(c) for c in ci_invocations() if c[:2] == ["-m", "pytest"]) or "none"
         return [f".ci/run does not run `python {' '.join(want)}` with exactly these arguments (its pytest calls: "
@@ -757,16 +781,25 @@ def link_problems(path: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------- the tests
+def _case_id(block: Block, nth: int) -> str:
+    """A block's test id: its ``id=`` if it has one, else its page and its place among the page's command blocks
+    (``docs/memory.md#2``), which, unlike a line number, survives an edit of the prose around it (the ids key
+    tests/durations.json's record)."""
+    return block.marker.id or f"{block.where.rsplit(':', 1)[0]}#{nth}"
+
+
 def _params(run_only: bool) -> list:
     """One case per marked command block (run blocks only: one per run block, slow ones marked slow)."""
-    params = []
+    params, seen = [], {}
     for block in command_blocks():
+        page = block.where.rsplit(":", 1)[0]
+        seen[page] = seen.get(page, 0) + 1
         if block.problem or (run_only and block.marker.mode != "run"):
             continue
         opts = block.marker.opts
         cost = float(opts["cost"]) if "cost" in opts else None
         marks = [pytest.mark.slow(cover=opts.get("cover"), cost_s=cost)] if run_only and block.marker.slow else []
-        params.append(pytest.param(block, id=block.where, marks=marks))
+        params.append(pytest.param(block, id=_case_id(block, seen[page]), marks=marks))
     return params
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,29 @@ def test_an_undeclared_skip_fails_ci_and_a_declared_variant_does_not(tmp_path):
     assert "1 passed, 1 skipped" in declared.stdout
 
 
+MODULE_SKIP = """
+import pytest
+
+pytest.importorskip("a_package_nobody_installed")
+
+
+def test_never_collected():
+    assert True
+"""
+
+
+def test_a_file_skipped_at_collection_is_an_undeclared_skip(tmp_path):
+    """A module-level importorskip skips the whole file at collection, before any test's report: in CI that fails
+    the run, naming the file and the missing package; outside CI it is listed."""
+    ci = child_pytest(tmp_path, MODULE_SKIP, ci=True)
+    assert ci.returncode == 1, ci.stdout + ci.stderr
+    assert "undeclared skips failing the run (CI)" in ci.stdout
+    assert ("test_scratch.py: skipped at collection (every test in it): Skipped: could not import "
+            "'a_package_nobody_installed'") in ci.stdout, ci.stdout
+    local = child_pytest(tmp_path, MODULE_SKIP, ci=False)  # no test ran: pytest's own exit status 5
+    assert local.returncode == 5 and "undeclared skips (would fail in CI)" in local.stdout, local.stdout
+
+
 def test_the_default_timeout_stops_a_hanging_test(tmp_path):
     """A test with no limit of its own gets the default (shortened to 2 s here by the scratch root's conftest):
     it fails as a timeout after ~2 s instead of sleeping its 60 s."""
@@ -124,6 +148,49 @@ def test_the_cover_check_fails_when_a_cover_is_slow_evidence_or_missing(tmp_path
     assert "its cover test_scratch.py::test_fast_path is not a collected test" in out.stdout + out.stderr
 
 
+ORDERED = '''
+import os
+import pytest
+
+@pytest.mark.slow(cover="test_scratch.py::test_b", cost_s=1)
+def test_a_slow():
+    print("RAN slow")
+
+def test_b():
+    print("RAN b")
+    assert os.environ.get("FAIL_B") != "1"
+
+@pytest.mark.evidence(cover="test_scratch.py::test_b", cost_s=1)
+def test_c_evidence():
+    print("RAN evidence")
+
+def test_d():
+    print("RAN d")
+'''
+
+
+def test_tiers_in_order_run_default_then_slow_then_evidence_and_stop_after_a_default_failure(tmp_path, monkeypatch):
+    """One session of every tier: the default tests first (in file order), then slow, then evidence; the per-tier
+    and per-file costs are printed and --record-durations writes each test's tier and seconds. With a failed default
+    test, the session ends before the first slow test, exit 1."""
+    ini = "[pytest]\nmarkers =\n    slow(cover, cost_s): x\n    evidence(cover, cost_s): x\n"
+    record = tmp_path / "run.json"
+    out = child_pytest(tmp_path, ORDERED, ci=True, ini=ini,
+                       extra=("-s", "-m", "", "--tiers-in-order", "--record-durations", str(record)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.findall(r"RAN (\w+)", out.stdout) == ["b", "d", "slow", "evidence"], out.stdout
+    assert "CI: default tier: 2 tests in" in out.stdout and "cost: slow" in out.stdout
+    tests = json.loads(record.read_text())["tests"]
+    assert {k: v["tier"] for k, v in tests.items()} == {
+        "test_scratch.py::test_b": "default", "test_scratch.py::test_d": "default",
+        "test_scratch.py::test_a_slow": "slow", "test_scratch.py::test_c_evidence": "evidence"}
+    monkeypatch.setenv("FAIL_B", "1")
+    failed = child_pytest(tmp_path, ORDERED, ci=True, ini=ini, extra=("-s", "-m", "", "--tiers-in-order"))
+    assert failed.returncode == 1 and "RAN d" in failed.stdout, failed.stdout
+    assert "RAN slow" not in failed.stdout and "RAN evidence" not in failed.stdout
+    assert "1 default-tier test(s) failed: the slow and evidence tiers are skipped" in failed.stdout
+
+
 _CHILD_SUMMARY: list[dict] = []  # a child collection's summary, made once per session
 
 
@@ -150,38 +217,86 @@ def test_every_slow_and_evidence_test_names_a_default_cover_and_its_cost(tmp_pat
     assert not problems, "\n".join(problems)
 
 
-def test_the_suites_evidence_shards_each_fit_ci_s_ten_minutes(tmp_path):
-    """Each of the three evidence shards declares at most 10 minutes (.ci/run gives one landing's shard 15 before it
-    stops it), and together they hold every evidence test file."""
-    shards = _suite_summary(tmp_path)["shards"]
-    assert len(shards) == 3 and all(s["files"] for s in shards), shards
-    assert max(s["cost_s"] for s in shards) <= 600, shards
+def test_the_suites_evidence_shards_split_every_evidence_test_four_ways(tmp_path):
+    """Four shards (.ci/run runs one per landing), none empty, each evidence test in exactly one; the budget of each
+    is checked on the record (test_the_record_covers_every_test_and_fits_the_budgets)."""
+    summary = _suite_summary(tmp_path)
+    shards = summary["shards"]
+    evidence = sorted(k for k, t in summary["tiers"].items() if t == "evidence")
+    assert len(shards) == 4 and all(s["tests"] for s in shards), shards
+    assert sorted(t for s in shards for t in s["tests"]) == evidence
 
 
 def _items(costs: dict[str, list[float]]):
-    """Stand-ins for collected evidence items: file name -> the declared costs of its tests."""
+    """Stand-ins for collected evidence items: file name -> the declared costs of its tests (test_0, test_1, ...)."""
     class Item:
-        def __init__(self, name: str, cost: float):
+        def __init__(self, name: str, i: int, cost: float):
             self.path = Path("/x") / name
+            self.nodeid = f"tests/{name}::test_{i}"
             self._marker = pytest.mark.evidence(cover="c", cost_s=cost).mark
 
         def get_closest_marker(self, name):
             return self._marker if name == "evidence" else None
 
-    return [Item(name, c) for name, cs in costs.items() for c in cs]
+    return [Item(name, i, c) for name, cs in costs.items() for i, c in enumerate(cs)]
 
 
-def test_evidence_shards_split_by_file_longest_first_and_cover_every_file():
-    """Files are units; the longest goes first to the lightest shard (ties: the lower one); every file is in exactly
-    one shard, so every evidence test runs once in three consecutive landings."""
+def test_evidence_shards_split_by_test_longest_first_by_recorded_cost():
+    """Tests are units; the longest goes first to the lightest shard (ties: the lower one); a recorded cost replaces
+    the declared one; every test is in exactly one shard, so each runs once in four consecutive landings."""
     from suite_rules import evidence_shards
 
-    items = _items({"a.py": [300, 200], "b.py": [400], "c.py": [100, 100], "d.py": [250], "e.py": [50]})
-    shards = evidence_shards(items, 3)
-    # costs: a 500, b 400, d 250, c 200, e 50 -> a:0, b:1, d:2 (250), c:2 (450), e:1 (450)
-    assert shards == [["a.py"], ["b.py", "e.py"], ["d.py", "c.py"]]
-    assert sorted(f for s in shards for f in s) == ["a.py", "b.py", "c.py", "d.py", "e.py"]
-    assert evidence_shards(items, 1) == [["a.py", "b.py", "d.py", "c.py", "e.py"]]
+    items = _items({"a.py": [300, 200], "b.py": [400], "c.py": [100, 100]})
+    a0, a1, b0, c0, c1 = (i.nodeid for i in items)
+    # declared: b0 400, a0 300, a1 200, c0 100, c1 100 -> b0:0, a0:1, a1:2, c0:3, c1:3 (the lightest, ties lower)
+    assert evidence_shards(items, 4, recorded={}) == [[b0], [a0], [a1], [c0, c1]]
+    # recorded: a0 took 20 s, c1 500 s -> c1:0, b0:1, a1:2, c0:3, a0:3
+    assert evidence_shards(items, 4, recorded={a0: 20.0, c1: 500.0}) == [[c1], [b0], [a1], [c0, a0]]
+    assert evidence_shards(items, 1, recorded={}) == [[b0, a0, a1, c0, c1]]
+
+
+def test_the_record_covers_every_test_and_fits_the_budgets(tmp_path):
+    """tests/durations.json holds every collected test's cost in its current tier and no test that is gone; the
+    default and slow tiers, each evidence shard and one whole CI run fit their ceilings (durations.CEILING_S)."""
+    import durations
+
+    found = durations.problems(durations.load(), _suite_summary(tmp_path)["tiers"])
+    assert not found, "\n".join(found[:40])
+
+
+def test_the_pages_cost_table_is_generated_from_the_record():
+    """docs/testing.md shows the record's numbers as ``python tests/durations.py table --write`` writes them."""
+    import durations
+
+    section = durations.page_section(durations.PAGE.read_text())
+    assert section is not None, f"docs/testing.md lost its {durations.BEGIN} markers"
+    assert section == durations.table(durations.load()), "run python tests/durations.py table --write"
+
+
+def test_the_record_check_names_a_missing_test_a_moved_one_and_an_overrun():
+    """``durations.problems`` on a made-up record: a collected test without a cost, a recorded test that is gone, a
+    test recorded in another tier, a default tier over its budget, an evidence shard over its budget."""
+    import durations
+
+    record = {"tests": {"tests/test_a.py::test_x": {"tier": "default", "s": 599.0},
+                        "tests/test_a.py::test_gone": {"tier": "default", "s": 1.0},
+                        "tests/test_b.py::test_slow": {"tier": "default", "s": 5.0},
+                        "tests/test_c.py::test_e": {"tier": "evidence", "s": 421.0}}}
+    collected = {"tests/test_a.py::test_x": "default", "tests/test_a.py::test_new": "default",
+                 "tests/test_b.py::test_slow": "slow", "tests/test_c.py::test_e": "evidence"}
+    found = durations.problems(record, collected, durations.TARGET_S)
+    assert found[0].startswith("tests/test_a.py::test_new: no recorded cost (run it with")
+    assert found[1] == "tests/test_a.py::test_gone: recorded but not collected (python tests/durations.py prune)"
+    assert found[2].startswith("tests/test_b.py::test_slow: recorded as default but it is slow now")
+    assert found[3].startswith("the default tier records 605 s, over its ceiling of 600 s")
+    assert found[4] == "evidence shard 0/4 records 421 s, over its ceiling of 420 s"
+    assert len(found) == 5
+    record["tests"]["tests/test_a.py::test_x"]["s"] = 500.0
+    record["tests"]["tests/test_c.py::test_e"]["s"] = 400.0
+    del record["tests"]["tests/test_a.py::test_gone"]
+    record["tests"]["tests/test_a.py::test_new"] = {"tier": "default", "s": 1.0}
+    record["tests"]["tests/test_b.py::test_slow"]["tier"] = "slow"
+    assert durations.problems(record, collected, durations.TARGET_S) == []
 
 
 CRASHER = '''
