@@ -90,6 +90,22 @@ def run_in_one_job(runs: list[tuple[str, list[str]]], work_dir: Path, nproc: int
                         timeout=timeout)
 
 
+# Trainer runs that tests of several modules read, made together: a module declares each at import
+# (``shared_run``), and the session fixture ``shared_runs`` (tests/conftest.py) makes every declared run of a rank count
+# in one ``run_in_one_job`` job the first time one of them is asked for (one start-up, ~15 s, instead of one per run).
+# Only the collected modules' runs are declared, so a module run alone makes only its own.
+SHARED_RUNS: dict[str, tuple[int, Callable[[dict, Path], list[str]]]] = {}
+
+
+def shared_run(key: str, nproc: int, args: Callable[[dict, Path], list[str]]) -> None:
+    """Declare the run ``key`` of ``nproc`` ranks: ``args(inputs, out)`` is its script and arguments, writing to
+    ``out``, from the session's inputs ``{"model": tiny FLUX.1, "data": its 16-prompt manifest, "hps": the tiny HPS
+    reward's flags}``; ``shared_runs(key)`` returns ``out`` once it ran (read-only to tests)."""
+    if key in SHARED_RUNS and SHARED_RUNS[key][0] != nproc:
+        raise ValueError(f"shared run {key!r} is declared twice with different rank counts")
+    SHARED_RUNS[key] = (nproc, args)
+
+
 def stderr_excerpt(stderr: str, head: int = 3000, tail: int = 6000) -> str:
     """A failed run's stderr: its end, plus the first native crash report (``Fatal Python error``: a rank's
     fatal-signal stack, ``terminate called``: a C++ abort) or else its start. The rank that failed first printed its

@@ -53,7 +53,7 @@ def files_of(root: Path, pattern: str) -> dict[str, bytes]:
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def grpo_alignment(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dict[str, Path]:
     """A 2-rank GRPO recording, its replay on 1 rank, its replay by a transformer with perturbed weights, and a plain
     1-rank run."""

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import run_torchrun, validate_flags
+from helpers import run_torchrun, shared_run, validate_flags
 from test_train_nft import nft_args
 
 from fastvideo import objectives as O
@@ -166,11 +166,13 @@ AWM = ("--objective", "awm", "--prompts_per_step", "2", "--num_generations", "2"
        "awm", "--lora_rank", "4", "--learning_rate", "3e-2", "--sample_every", "0", "--max_train_steps", "2")
 
 
-def test_awm_run_trains_the_lora(tiny_flux_dir, tiny_data, hps_flags, tmp_path):
+shared_run("awm-lora", 1, lambda i, out: nft_args(i["model"], i["data"], out, *AWM, *i["hps"]))
+
+
+def test_awm_run_trains_the_lora(shared_runs):
     import safetensors.torch
 
-    out = tmp_path / "awm"
-    run_torchrun(nft_args(tiny_flux_dir, tiny_data, out, *AWM, *hps_flags), nproc=1)
+    out = shared_runs("awm-lora")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -65,20 +65,19 @@ VARIANT_FLAGS = {"lora": "--cfg_scale 4.5", "full": "--cfg_scale 1"}
 
 
 @pytest.fixture(scope="module")
-def traces(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tmp_path_factory) -> dict[str, concurrent.futures.Future]:
+def traces(tiny_flux_dir: Path, hps_flags: tuple[str, ...], tiny_preset, tmp_path_factory
+           ) -> dict[str, concurrent.futures.Future]:
     """Every trace of this module, two at a time: each is one single-threaded Python process (fake tensors compute
     nothing), so two share the 2 cores without slowing each other (~55 s for the eight; six took ~100 s one after
     another). FLUX.1's: every objective x variant and the SP path; every other family's (its tiny preset): GRPO, DPO
     and NFT with LoRA and true CFG 4.5, and as a CFG-free full fine-tune; no SP or overlap path (Wan: its SP 2 path).
     A family's failure fails only its tests."""
-    from fastvideo.tiny import build_preset
-
     def flux() -> dict:
         return _trace(tiny_flux_dir, hps_flags, tmp_path_factory.mktemp("fake-cuda"))
 
     def family(preset: str) -> dict:
         work = tmp_path_factory.mktemp(f"fake-cuda-{preset}")
-        model = build_preset(work / "model", preset)
+        model = tiny_preset(preset)  # the session's folder (read only: the trace writes into work)
         variant_flags = [x for v, f in VARIANT_FLAGS.items() for x in ("--variant_extra", f"{v}={f}")]
         report = _trace(model, hps_flags, work, "--sp_size", "1", "--no_overlap", "--objectives", "grpo,dpo,nft",
                         "--variants", "lora,full", *variant_flags, *FAMILY_EXTRA.get(preset, ()))

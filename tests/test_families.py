@@ -94,24 +94,27 @@ SPECS = {
 # pipeline in the default tier (WAN_ENCODE)
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow(cover=WAN_ENCODE, cost_s=9))
                                         if name == "wan" else name for name in SPECS])
-def fam(request, tmp_path_factory) -> dict:
+def fam(request, tiny_preset, built_once) -> dict:
     """The family's tiny folder and the embeddings of the first prompts of assets/prompts.txt, preprocessed on 2
-    ranks in shards of 2 with the family's negative prompt."""
+    ranks in shards of 2 with the family's negative prompt; built once per session (the slow tests read it too)."""
     from fastvideo import models
-    from fastvideo.tiny import build_preset
 
     spec = SPECS[request.param]
-    root = tmp_path_factory.mktemp(spec.name)
-    model = build_preset(root / "model", spec.preset, seed=0)
+    model = tiny_preset(spec.preset)
     family = models.resolve("auto", model)
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:PROMPTS]) + "\n")
     negative = family.defaults.negative_prompt
-    run_torchrun(["preprocess_embeddings.py", "--model_path", str(model), "--prompt_file", str(prompts),
-                  "--output_dir", str(root / "emb"), "--max_sequence_length", str(MSL), "--shard_size", "2",
-                  "--negative_prompt", negative, "--device", "cpu"])
+
+    def build(root: Path) -> Path:
+        prompts = root / "prompts.txt"
+        prompts.write_text("\n".join((REPO / "assets" / "prompts.txt").read_text().splitlines()[:PROMPTS]) + "\n")
+        run_torchrun(["preprocess_embeddings.py", "--model_path", str(model), "--prompt_file", str(prompts),
+                      "--output_dir", str(root / "emb"), "--max_sequence_length", str(MSL), "--shard_size", "2",
+                      "--negative_prompt", negative, "--device", "cpu"])
+        return root
+
+    root = built_once(f"families-{spec.name}", build)
     return {"spec": spec, "family": family, "model": model, "manifest": root / "emb" / "manifest.json",
-            "prompts": prompts, "root": root, "negative": negative}
+            "prompts": root / "prompts.txt", "root": root, "negative": negative}
 
 
 def test_auto_picks_the_family_and_pipeline_defaults_use_cfg(fam):

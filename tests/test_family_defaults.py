@@ -12,7 +12,7 @@ import json
 import diffusers
 import pytest
 
-from fastvideo import models, objectives, options, rollout, tiny
+from fastvideo import models, objectives, options, rollout
 
 # preset -> (stock pipeline class, the __call__ parameter that is its CFG scale, or None: no CFG by default)
 STOCK = {
@@ -31,9 +31,8 @@ def _call_default(pipeline: str, name: str):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("family-defaults")
-    return {preset: tiny.build_preset(root / preset, preset) for preset in STOCK}
+def folders(tiny_preset):
+    return {preset: tiny_preset(preset) for preset in STOCK}
 
 
 @pytest.mark.parametrize("preset", list(STOCK))

@@ -20,9 +20,9 @@ DEV_MSL = 96  # dev: its system message alone is ~70 tiny-BPE tokens, so the pro
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """The tiny klein folder (seed 0), built once for the module."""
-    return flux2_presets.build_tiny(tmp_path_factory.mktemp("flux2") / "tiny", seed=0)
+def tiny(tiny_preset) -> Path:
+    """The tiny klein folder (seed 0), built once per session."""
+    return tiny_preset("flux2-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,9 @@ def pipe(tiny):
 
 
 @pytest.fixture(scope="module")
-def dev_tiny(tmp_path_factory) -> Path:
-    """The tiny FLUX.2-dev folder (seed 0), built once for the module."""
-    return flux2_presets.build_tiny_dev(tmp_path_factory.mktemp("flux2") / "dev", seed=0)
+def dev_tiny(tiny_preset) -> Path:
+    """The tiny FLUX.2-dev folder (seed 0), built once per session."""
+    return tiny_preset("flux2-dev-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ SOURCE_HW = (32, 48)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return flux_kontext.build_tiny(tmp_path_factory.mktemp("kontext") / "model", seed=0)
+def folder(tiny_preset) -> Path:
+    return tiny_preset("flux-kontext-tiny")
 
 
 @pytest.fixture(scope="module")

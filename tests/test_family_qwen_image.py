@@ -21,8 +21,8 @@ STORE_WIDTH = 48  # the store's max_sequence_length: every row padded to it
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return qwen_image.build_tiny(tmp_path_factory.mktemp("qwen-image") / "model", seed=0)
+def folder(tiny_preset):
+    return tiny_preset("qwen-image-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,8 @@ SOURCE_HW = (48, 64)
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return qe.build_tiny(tmp_path_factory.mktemp("qwen-edit") / "model", seed=0)
+def folder(tiny_preset) -> Path:
+    return tiny_preset("qwen-image-edit-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -257,11 +257,11 @@ def test_flops_count_the_source_tokens_and_the_planner_assumes_the_pipelines_sou
 
 # ------------------------------------------------------------------------------ QwenImageEditPlusPipeline (2509)
 @pytest.fixture(scope="module")
-def plus(tmp_path_factory):
+def plus(tiny_preset):
     """The tiny Plus folder, its family, the stock QwenImageEditPlusPipeline and the family's parts."""
     from diffusers import QwenImageEditPlusPipeline
 
-    folder = qe.build_tiny_plus(tmp_path_factory.mktemp("qwen-edit-plus") / "model", seed=0)
+    folder = tiny_preset("qwen-image-edit-plus-tiny")
     family = models.resolve("qwen-image-edit-plus")
     pipeline = QwenImageEditPlusPipeline.from_pretrained(folder, local_files_only=True)
     pipeline.set_progress_bar_config(disable=True)

@@ -20,9 +20,9 @@ T5_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def tiny_sd3(tmp_path_factory) -> Path:
-    """The tiny SD3.5 folder (seed 0), built once for this module."""
-    return sd3.build_tiny(tmp_path_factory.mktemp("tiny-sd3") / "model", seed=0)
+def tiny_sd3(tiny_preset) -> Path:
+    """The tiny SD3.5 folder (seed 0), built once per session."""
+    return tiny_preset("sd3-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ FRAMES = 5
 
 
 @pytest.fixture(scope="module")
-def tiny_wan(tmp_path_factory) -> Path:
-    """The tiny Wan folder (seed 0), built once for this module."""
-    return wan_presets.build_tiny(tmp_path_factory.mktemp("tiny-wan") / "model", seed=0)
+def tiny_wan(tiny_preset) -> Path:
+    """The tiny Wan folder (seed 0), built once per session."""
+    return tiny_preset("wan-tiny")
 
 
 @pytest.fixture(scope="module")

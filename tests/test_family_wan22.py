@@ -47,7 +47,7 @@ def _cfg_loop(family, transformer, enc, geometry, noise, steps, scale, folder):
     return x, sigmas
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ti2v(tmp_path_factory):
     """The tiny TI2V layout (``_tiny_layout``)."""
     return _tiny_layout(wan_presets.build_tiny_ti2v, tmp_path_factory.mktemp("tiny-ti2v") / "model")
@@ -131,7 +131,7 @@ def test_ti2v_flops_equal_the_counter(ti2v):
 
 
 # ------------------------------------------------------------------------------------------------ Wan2.2-T2V-A14B
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def a14b(tmp_path_factory):
     """The tiny two-expert layout (``_tiny_layout``)."""
     return _tiny_layout(wan_presets.build_tiny_a14b, tmp_path_factory.mktemp("tiny-a14b") / "model")

@@ -37,7 +37,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def data(tiny_flux_dir, tmp_path_factory):
     return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("emb"), 8, "--max_sequence_length", "32")
 
@@ -173,7 +173,7 @@ def test_training_order_is_world_size_invariant(drop, shuffle):
     assert kept == 0.0 and none == [[], []]  # nothing to train: no forward, no optimizer step on any rank
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def objective_runs(toy_world, tmp_path_factory):
     """benchmarks/objectives.py's toy-world runs for seed 0 (2 ranks, through the demo launchers, on the session's
     toy world): a function ``runs(name, steps) -> (trained rows, control rows)``; each run is made once and reused

@@ -21,7 +21,7 @@ FLUX_RECIPES = {"scripts/finetune_flux_grpo.sh": "scripts/recipes/dancegrpo_hps.
                 "scripts/finetune_flux_nft.sh": "scripts/recipes/nft.yaml"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def demo_data_dir(toy_world, tmp_path_factory) -> Path:
     """One DATA_DIR for the demo launchers of this module: links to the session's toy world (built once for the test
     run; the README's GRPO demo builds it from an empty data/, test_docs.py), and room for what a launcher writes

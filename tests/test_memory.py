@@ -33,7 +33,7 @@ def run_single(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def bench_dir(tmp_path_factory) -> Path:
     from fastvideo.tiny import build_tiny_flux
 
@@ -73,7 +73,7 @@ def test_gradient_sync_modes():
 
 
 # ------------------------------------------------------------------------------------------ sharded loading
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def large_dir(tmp_path_factory) -> Path:
     """A 100M-parameter FLUX-architecture transformer (hidden 768) saved as bf16 safetensors in three files, as
     FLUX.1-dev is: loading it as fp32 master weights costs 400 MB, enough to dominate RSS noise."""
@@ -221,7 +221,7 @@ def _plan_lines(stdout: str) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def bench_data(bench_dir, tmp_path_factory) -> Path:
     return make_embeddings(bench_dir, tmp_path_factory.mktemp("bench-emb"), 8)
 

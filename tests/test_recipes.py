@@ -175,7 +175,7 @@ for job in jobs:
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def dry_runs(tmp_path_factory) -> dict[str, dict]:
     """recipe stem (or PLAN_VARIANTS name) -> {"error", "stdout", "wrote"} of `<trainer> --config RECIPE [FLAGS]
     --dry_run --dry_run_world_size 8` on the real configs of the recipe's model (its ``# model:`` preset, built with

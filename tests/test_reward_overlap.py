@@ -185,7 +185,7 @@ TRAINERS = {"grpo": ("train_grpo_flux.py", "--eta", "1.0", "--timestep_fraction"
             "nft": ("train_nft.py", "--kl_beta", "0.01", "--max_train_steps", "2")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def overlap_runs(toy_world, tmp_path_factory) -> dict[str, dict[str, Path]]:
     """Each trainer's 2-step run, sequential and with --reward_overlap, in one 2-rank job (~50 s for the six runs,
     ~130 s as six jobs): ``{trainer: {"sequential": OUT, "overlap": OUT}}``."""

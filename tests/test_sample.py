@@ -72,14 +72,14 @@ def _assert_pipeline_equal(out: Path, pngs: list[np.ndarray], rows: list[dict]) 
         assert diff.max() <= 1 and diff.mean() < 0.01, (row["path"], diff.max(), diff.mean())  # 8-bit rounding only
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def prompts(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     path.write_text("".join(line + "\n" for line in (REPO / "assets" / "prompts.txt").read_text().splitlines()[:3]))
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def base_run(tiny_flux_dir, prompts, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("base") / "samples"
     _sample(tiny_flux_dir, prompts, out, "--num_images_per_prompt", "2", "--reward", "jpeg_compressibility:1.0",

@@ -71,7 +71,7 @@ def test_dp2_sp2_gradient_is_the_mean_over_replicas(tiny_flux_dir, tiny_data):
     assert all(r["replica_spread"] > 0.1 for r in rows)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def sp_runs(tiny_flux_dir, tiny_data, tmp_path_factory):
     """GRPO on 2 ranks: --sp_size 2 with --attention_backend flash (unavailable on a CPU: falls back) for 2 steps,
     checkpointing every step; then --sp_size 1 resumed from its step-1 checkpoint."""

@@ -137,7 +137,7 @@ print(json.dumps(digests))
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def prefix(tmp_path_factory):
     """(digests, VAE folder) of ``pretrain_prefix`` with the shipped config at the shipped weights' thread count: the
     whole VAE phase and the transformer's first ``PREFIX_STEPS`` steps (minutes instead of the whole run)."""

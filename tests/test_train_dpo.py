@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (REPO, assert_lora_changes_pipeline, assert_resume_matches, assert_sigterm_resume_matches,
-                     run_torchrun, validate_flags)
+                     run_torchrun, shared_run, validate_flags)
 
 from fastvideo.advantages import best_worst_pairs, share_pairs
 from fastvideo.objectives import parse_dpo_args, validate_dpo
@@ -139,14 +139,14 @@ ONLINE = ("--prompts_per_step", "3", "--num_generations", "2", "--lora_rank", "4
           "--ref_update_interval", "2", "--checkpointing_steps", "2", "--sample_every", "2", *SCHEDULE)
 
 
+for _ranks, _steps in ((2, "4"), (1, "2")):  # 4 steps on 2 ranks, the first 2 on 1 rank (shared runs)
+    shared_run(f"dpo-online-{_ranks}", _ranks, lambda i, out, steps=_steps: dpo_args(
+        i["model"], i["data"], out, *ONLINE, *i["hps"], "--max_train_steps", steps))
+
+
 @pytest.fixture(scope="module")
-def online_runs(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("dpo-online")
-    runs = {"two": base / "two", "one": base / "one"}
-    run_torchrun(dpo_args(tiny_flux_dir, tiny_data, runs["two"], *ONLINE, *hps_flags, "--max_train_steps", "4"))
-    run_torchrun(dpo_args(tiny_flux_dir, tiny_data, runs["one"], *ONLINE, *hps_flags, "--max_train_steps", "2"),
-                 nproc=1)
-    return runs
+def online_runs(shared_runs) -> dict[str, Path]:
+    return {"two": shared_runs("dpo-online-2"), "one": shared_runs("dpo-online-1")}
 
 
 def test_online_run_writes_every_metric(online_runs):
@@ -222,7 +222,7 @@ def test_online_lora_export_loads_in_stock_pipeline(online_runs, tiny_flux_dir):
     assert_lora_changes_pipeline(tiny_flux_dir, online_runs["two"] / "final")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def pair_file(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
     """4 preference pairs that python -m fastvideo.preference makes from the tiny model's own samples."""
     out = tmp_path_factory.mktemp("dpo-pairs")

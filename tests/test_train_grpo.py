@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (REPO, assert_lora_changes_pipeline, assert_resume_matches, assert_same_metrics,
-                     assert_sigterm_resume_matches, make_embeddings, run_torchrun)
+                     assert_sigterm_resume_matches, run_torchrun, shared_run)
 
 from fastvideo.logging import read_metrics
 
@@ -34,21 +34,17 @@ LORA_FLAGS = ("--max_train_steps", "4", "--checkpointing_steps", "2", "--lora_ra
               "--kl_beta", "0.04", "--gradient_accumulation_steps", "1", *SCHEDULE)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tiny_flux_dir, tmp_path_factory) -> Path:
-    """Embeddings of 16 prompts of assets/prompts.txt for the tiny model."""
-    return make_embeddings(tiny_flux_dir, tmp_path_factory.mktemp("emb"), 16, "--max_sequence_length", "32")
+shared_run("grpo-lora", 2, lambda i, out: common_args(i["model"], i["data"], out, *LORA_FLAGS, "--export_dtype",
+                                                     "bf16"))
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_flux_dir, tiny_data, tmp_path_factory) -> Path:
-    """4 LoRA steps on 2 ranks with a checkpoint every 2 steps, KL to the adapter-disabled reference."""
-    out = tmp_path_factory.mktemp("lora") / "run"
-    run_torchrun(common_args(tiny_flux_dir, tiny_data, out, *LORA_FLAGS, "--export_dtype", "bf16"))
-    return out
+def lora_run(shared_runs) -> Path:
+    """4 LoRA steps on 2 ranks with a checkpoint every 2 steps, KL to the adapter-disabled reference (a shared run)."""
+    return shared_runs("grpo-lora")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session: the slow or evidence tier reads it too
 def full_runs(tiny_flux_dir, tiny_data, tmp_path_factory) -> dict[str, Path]:
     """2 full-fine-tune steps with KL and EMA under FSDP2 (+ checkpointing, offload) and FSDP1 (2 ranks), and
     1 rank without FSDP. The reward is the tiny HPS model: smooth in the pixels, so runs that differ only by

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (assert_lora_changes_pipeline, assert_resume_matches, assert_sigterm_resume_matches, comparable,
-                     run_torchrun)
+                     run_torchrun, shared_run)
 
 from fastvideo.logging import read_metrics
 
@@ -31,14 +31,14 @@ LORA = ("--prompts_per_step", "3", "--num_generations", "2", "--lora_rank", "4",
         "--sample_every", "2", "--lr_scheduler", "cosine", "--lr_warmup_steps", "2")
 
 
+for _ranks, _steps in ((2, "4"), (1, "1")):  # 4 steps on 2 ranks, the first on 1 rank (shared runs)
+    shared_run(f"nft-lora-{_ranks}", _ranks, lambda i, out, steps=_steps: nft_args(
+        i["model"], i["data"], out, *LORA, *i["hps"], "--max_train_steps", steps))
+
+
 @pytest.fixture(scope="module")
-def lora_runs(tiny_flux_dir, tiny_data, hps_flags, tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("nft-lora")
-    runs = {"two": base / "two", "one": base / "one"}
-    run_torchrun(nft_args(tiny_flux_dir, tiny_data, runs["two"], *LORA, *hps_flags, "--max_train_steps", "4"))
-    run_torchrun(nft_args(tiny_flux_dir, tiny_data, runs["one"], *LORA, *hps_flags, "--max_train_steps", "1"),
-                 nproc=1)
-    return runs
+def lora_runs(shared_runs) -> dict[str, Path]:
+    return {"two": shared_runs("nft-lora-2"), "one": shared_runs("nft-lora-1")}
 
 
 def test_lora_run_writes_every_metric(lora_runs):
