@@ -32,6 +32,7 @@ Resume order in a trainer: build model -> add_lora -> shard_model -> optimizer/s
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import io
@@ -43,7 +44,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -332,12 +333,14 @@ def save_checkpoint(
         return FileSystemWriter(str(tmp / folder), sync_files=True)  # every shard fsynced before DCP returns
 
     try:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=writer("state"))
+        with _single_process_quiet():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=writer("state"))
         del model_sd, optim_sd
         for key, folder, average in averages:
             with average.swap_into(model):
                 sd = get_model_state_dict(model, options=_options(True))
-                dcp.save({key: sd}, storage_writer=writer(folder))
+                with _single_process_quiet():
+                    dcp.save({key: sd}, storage_writer=writer(folder))
                 del sd
     except BaseException as err:  # DCP raises CheckpointException (a BaseException) on every rank alike
         if not (_is_no_space(err) or isinstance(err, (OSError, RuntimeError))) and \
@@ -593,7 +596,23 @@ def _dcp_load(state: dict, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp  # heavy
 
     _check_dcp_metadata(folder)
-    dcp.load(state, checkpoint_id=str(folder), planner=_safe_load_planner())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(folder), planner=_safe_load_planner())
+
+
+# DCP warns on every save and load of a run without a process group (one process, no torchrun) that it assumes a
+# single process, which is what such a run is: the line landed in the middle of the progress bar of the README's first
+# command. Only that message is filtered, only around our own DCP calls.
+_SINGLE_PROCESS = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+                   r"(save|load) in a single process")
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Around a DCP save or load: DCP's single-process notice is not shown (every other warning is)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        yield
 
 
 def _averages(ema: EMA | None, shadows: dict[str, EMA] | None) -> list[tuple[str, str, EMA]]:

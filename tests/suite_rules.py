@@ -5,7 +5,8 @@ default per-test timeout, undeclared skips, and the one retry a known transport 
   proves the science and the numbers). Both markers take ``cover="test_file.py::test_name[param]"``, a default-tier
   test that runs the same path, and ``cost_s=N``, what the test costs alone on 2 cores (seconds). ``cover_problems``
   checks every marked test against the collected items: the cover exists and is neither slow nor evidence.
-- Evidence shards: ``--evidence-shard K/N`` keeps shard K (0-based) of N of the evidence tests. A test is one unit;
+- Shards: ``--evidence-shard K/N`` (``--slow-shard K/N``) keeps shard K (0-based) of N of the evidence (slow) tests.
+  A test is one unit;
   units go to shards longest first, each to the shard with the least cost so far (ties: the lower shard), a test's
   cost being its recorded seconds (``tests/durations.json``) or else its declared ``cost_s``, so the split follows from
   the record and the markers alone. ``.ci/run`` picks the shard from the commit count.
@@ -52,9 +53,10 @@ def in_ci() -> bool:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fastvideo suite")
-    group.addoption("--evidence-shard", default=None, metavar="K/N",
-                    help="keep shard K (0-based) of N of the evidence tests (a test is one unit, balanced by its "
-                         "recorded seconds)")
+    for tier in TIERS:
+        group.addoption(f"--{tier}-shard", default=None, metavar="K/N",
+                        help=f"keep shard K (0-based) of N of the {tier} tests (a test is one unit, balanced by its "
+                             "recorded seconds)")
     group.addoption("--check-covers", action="store_true",
                     help="fail the collection when a slow or evidence test names no valid default-tier cover")
     group.addoption("--suite-summary", default=None, metavar="PATH",
@@ -122,15 +124,20 @@ def recorded_seconds() -> dict[str, float]:
     return {k: float(v["s"]) for k, v in json.loads(RECORD.read_text())["tests"].items()}
 
 
-def evidence_costs(items: list[pytest.Item], recorded: dict[str, float] | None = None) -> dict[str, float]:
-    """Each evidence test's seconds: its recorded cost (``tests/durations.json``), else its declared ``cost_s``."""
+def tier_costs(items: list[pytest.Item], tier: str, recorded: dict[str, float] | None = None) -> dict[str, float]:
+    """Each ``tier`` test's seconds: its recorded cost (``tests/durations.json``), else its declared ``cost_s``."""
     recorded = recorded_seconds() if recorded is None else recorded
     costs: dict[str, float] = {}
     for item in items:
-        marker = item.get_closest_marker("evidence")
-        if marker is not None:
+        marker = item.get_closest_marker(tier)
+        if marker is not None and tier_of(item) == tier:
             costs[item.nodeid] = recorded.get(item.nodeid, float(marker.kwargs.get("cost_s", 0) or 0))
     return costs
+
+
+def evidence_costs(items: list[pytest.Item], recorded: dict[str, float] | None = None) -> dict[str, float]:
+    """Each evidence test's seconds (``tier_costs``)."""
+    return tier_costs(items, "evidence", recorded)
 
 
 def balance(costs: dict[str, float], n: int) -> list[list[str]]:
@@ -150,18 +157,18 @@ def evidence_shards(items: list[pytest.Item], n: int, recorded: dict[str, float]
     return balance(evidence_costs(items, recorded), n)
 
 
-def _parse_shard(spec: str) -> tuple[int, int]:
+def _parse_shard(spec: str, option: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)/(\d+)", spec or "")
     if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-        raise pytest.UsageError(f"--evidence-shard {spec}: give K/N with 0 <= K < N, e.g. --evidence-shard 1/3")
+        raise pytest.UsageError(f"{option} {spec}: give K/N with 0 <= K < N, e.g. {option} 1/4")
     return int(m.group(1)), int(m.group(2))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give every test without a ``timeout`` marker its tier's default, check the covers when every test file was
-    collected (or on ``--check-covers``), and keep one evidence shard on ``--evidence-shard``. Runs before ``-m``
-    deselects, so it sees every tier."""
+    collected (or on ``--check-covers``), and keep one shard of the slow or evidence tests on ``--slow-shard`` /
+    ``--evidence-shard``. Runs before ``-m`` deselects, so it sees every tier."""
     global _summary
     for item in items:
         if item.get_closest_marker("timeout") is None:
@@ -179,12 +186,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             Path(config.getoption("suite_summary")).write_text(json.dumps(_summary, indent=1))
         if config.getoption("check_covers") and _summary["cover_problems"]:
             raise pytest.UsageError("covers:\n" + "\n".join(_summary["cover_problems"]))
-    spec = config.getoption("evidence_shard")
-    if spec:
-        k, n = _parse_shard(spec)
-        keep = set(evidence_shards(items, n)[k])
-        _shard_note[:] = [f"evidence shard {k}/{n}: {', '.join(sorted(keep)) or 'no tests'}"]
-        drop = [i for i in items if tier_of(i) == "evidence" and i.nodeid not in keep]
+    _shard_note.clear()
+    for tier in TIERS:
+        spec = config.getoption(f"{tier}_shard")
+        if not spec:
+            continue
+        k, n = _parse_shard(spec, f"--{tier}-shard")
+        keep = set(balance(tier_costs(items, tier), n)[k])
+        _shard_note.append(f"{tier} shard {k}/{n}: {', '.join(sorted(keep)) or 'no tests'}")
+        drop = [i for i in items if tier_of(i) == tier and i.nodeid not in keep]
         if drop:
             config.hook.pytest_deselected(items=drop)
             dropped = set(drop)

@@ -75,6 +75,24 @@ def test_thresholds_cap_and_nms():
     assert g.iou((0, 0, 9, 9), (5, 0, 14, 9)) == pytest.approx(50 / 150)  # pixel-inclusive areas
 
 
+def test_ties_keep_the_detectors_order_and_float32_thresholds_are_kept():
+    """The two deviations from GenEval's evaluate_images.py that docs/benchmarks.md states: boxes with bit-equal
+    scores keep the detector's order (GenEval's unstable argsort, reversed, may not), and a score equal to
+    float32(0.3) is kept (GenEval compares in float32, where it is not over the threshold)."""
+    import numpy as np
+
+    tied = {"dog": [D((i * 10, 0, i * 10 + 5, 5), 0.5) for i in range(5)] + [D((90, 0, 95, 5), 0.7)]}
+    kept = g.keep_detections(tied, "two_object")["dog"]
+    assert [d.box[0] for d in kept] == [90, 0, 10, 20, 30, 40]  # the best, then the tie in the detector's order
+    assert [d.box[0] for d in g.keep_detections(tied, "two_object", max_objects=3)["dog"]] == [90, 0, 10]
+    f32 = float(np.float32(0.3))
+    assert f32 > 0.3 and not np.float32(f32) > np.float32(0.3)  # over 0.3 in float64, not in float32 (GenEval)
+    assert [d.score for d in g.keep_detections({"dog": [D((0, 0, 5, 5), f32)]}, "single_object")["dog"]] == [f32]
+    f32_count = float(np.float32(0.9))  # 0.89999998: under 0.9 in both precisions, dropped by both
+    assert "dog" not in g.keep_detections({"dog": [D((0, 0, 5, 5), f32_count)]}, "counting")
+    assert "dog" not in g.keep_detections({"dog": [D((0, 0, 5, 5), 0.3)]}, "single_object")  # 0.3 itself: not over
+
+
 def test_relative_position_at_its_threshold():
     """Two 10 x 10 boxes on one row: the x offset shrinks by 0.1 x 20 = 2 px, so "left of" needs (|o| - 2) / |o| >
     0.5, i.e. centres more than 4 px apart; a diagonal offset holds both relations; overlap within the margin none."""

@@ -579,13 +579,13 @@ def _option(args: list[str], name: str) -> str | None:
 
 
 def _without_selection(args: list[str]) -> list[str]:
-    """A pytest call's arguments without what selects, orders or records tiers (-m, --evidence-shard,
+    """A pytest call's arguments without what selects, orders or records tiers (-m, --slow-shard, --evidence-shard,
     --tiers-in-order, --record-durations)."""
     out, skip = [], False
     for a in args:
         if skip:
             skip = False
-        elif a in ("-m", "--evidence-shard", "--record-durations"):
+        elif a in ("-m", "--evidence-shard", "--slow-shard", "--record-durations"):
             skip = True
         elif a != "--tiers-in-order":
             out.append(a)
@@ -600,8 +600,11 @@ def check_ci_command(cmd: Command) -> list[str]:
         return [] if (ROOT / ".ci" / "run").is_file() else [".ci/run: no such file"]
     if prog.startswith("python") and cmd.tokens[1:3] == ["-m", "pytest"]:
         want = cmd.tokens[1:]
-        # the evidence tier's command runs in CI as one shard of it (tests/suite_rules.py, docs/testing.md)
-        if any(c == want or (c[:-2] == want and c[-2] == "--evidence-shard") for c in ci_invocations()):
+        # the evidence tier's command runs in CI as one shard of it (tests/suite_rules.py, docs/testing.md), and CI's
+        # one session with a slow shard and an evidence shard after the documented arguments
+        if any(c == want or (c[:-2] == want and c[-2] == "--evidence-shard")
+               or (c[:-4] == want and c[-4] == "--slow-shard" and c[-2] == "--evidence-shard")
+               for c in ci_invocations()):
             return []
         # a tier's command (-m slow, -m evidence, none: the default) runs inside CI's one ordered session of every
         # tier (-m "" --tiers-in-order), with the same other arguments
